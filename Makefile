@@ -1,0 +1,31 @@
+# make demo: set up .venv if needed and run the main job on the bundled GPT example.
+# make test: the same set-up, then the whole test suite.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test setup lint clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+# torch==2.13.0 only when no torch is importable: a user's own (CUDA) build is kept.
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[dev,gpu]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/ckpt-tune search examples/gpt.py:build --device cpu --vram 600MiB --batch-size 16 --out ckpt_tune.yaml --patch ckpt_tune_patch.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check ckpt_tune tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,3 @@
+from ckpt_tune.cli import main
+
+main()
