@@ -1,0 +1,416 @@
+"""Run one training iteration of DESIGN.md §2 under instrumentation, and leave the model as it was.
+
+    zero_grad(set_to_none=True) → make_batch → forward → loss → backward → optimizer.step()
+
+`StepRunner` owns the optimizer (learning rate 0, so the step allocates exactly what a real step does
+but leaves every parameter bit-for-bit unchanged), the autocast/precision set-up, and the snapshot that
+restores the model afterwards (train/eval mode, buffers, dtypes, RNG). `measure()` records the
+allocator's events of one steady-state iteration (optimizer state already allocated); `time_step()` times
+one without the profiler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ckpt_tune.errors import CkptTuneError, UserCodeError
+from ckpt_tune.timeline import Recorder, Timeline, mark
+
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "none")
+SEED = 0
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
+    precision: str = "fp32"  # one of PRECISIONS
+    optimizer: str = "adamw"  # one of OPTIMIZERS
+
+
+def storage_key(t: torch.Tensor) -> tuple[str, int]:
+    st = t.untyped_storage()
+    return (str(t.device), st.data_ptr())
+
+
+def unique_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views and tied weights counted once)."""
+    seen: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            seen[storage_key(t)] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside nested tuples, lists, dicts and ModelOutput-like objects."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from iter_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from iter_tensors(v)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for k in obj.__dataclass_fields__:
+            yield from iter_tensors(getattr(obj, k, None))
+
+
+@dataclass
+class Measurement:
+    """One recorded iteration. Bytes are absolute device bytes unless named `*_delta`."""
+
+    batch_size: int
+    checkpoint: tuple[str, ...]
+    param_bytes: int  # parameters + buffers (distinct storages)
+    optimizer_bytes: int  # optimizer state tensors
+    grad_bytes: int  # gradients at the end of the iteration
+    static_bytes: int  # live when recording started: params + buffers + optimizer state (grads freed)
+    peak_bytes: int
+    peak_time: int
+    timeline: Timeline
+    saved: dict[int, tuple[int, str | None]] = field(default_factory=dict)  # ptr -> (bytes, innermost module; None: outside the model)
+    grad_ptrs: list[int] = field(default_factory=list)
+    module_io: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (input, output bytes)
+
+    def rel(self, t: int) -> int:
+        return self.timeline.live_at(t)
+
+
+class StepRunner:
+    """A model set up for training iterations. Use as a context manager; on exit the model is restored."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        batch_fn: Callable[[int], Any],
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+        settings: StepSettings = StepSettings(),
+    ) -> None:
+        if settings.precision not in PRECISIONS:
+            raise CkptTuneError(f"unknown precision {settings.precision!r}", f"use one of {', '.join(PRECISIONS)}")
+        if settings.optimizer not in OPTIMIZERS:
+            raise CkptTuneError(f"unknown optimizer {settings.optimizer!r}", f"use one of {', '.join(OPTIMIZERS)}")
+        self.model, self.batch_fn, self.loss_fn, self.settings = model, batch_fn, loss_fn, settings
+        self.device = torch.device(settings.device)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scaler = None
+        self._warm = False
+        self._snapshot: dict[str, Any] = {}
+
+    # -- set-up and restoration ---------------------------------------------------------------
+    def __enter__(self) -> StepRunner:
+        m = self.model
+        self._snapshot = {
+            "modes": {mod: mod.training for mod in m.modules()},
+            "buffers": [(b, b.detach().clone()) for b in m.buffers()],
+            "data": [(t, t.data) for t in [*m.parameters(), *m.buffers()]],
+            "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "grads": [(p, p.grad) for p in m.parameters()],
+        }
+        if self.settings.precision == "bf16":
+            m.to(torch.bfloat16)
+        m.train()
+        params = [p for p in m.parameters() if p.requires_grad]
+        self.optimizer = _make_optimizer(self.settings.optimizer, params)
+        if self.settings.precision == "fp16-mixed":
+            self.scaler = torch.amp.GradScaler(self.device.type)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        snap, m = self._snapshot, self.model
+        self.optimizer = None
+        for p, g in snap["grads"]:
+            p.grad = g
+        for t, data in snap["data"]:
+            t.data = data
+        with torch.no_grad():
+            for b, saved in snap["buffers"]:
+                b.copy_(saved)
+        for mod, training in snap["modes"].items():
+            mod.training = training
+        torch.set_rng_state(snap["rng"])
+        if snap["cuda_rng"] is not None:
+            torch.cuda.set_rng_state_all(snap["cuda_rng"])
+
+    # -- one iteration --------------------------------------------------------------------------
+    def _autocast(self):
+        p = self.settings.precision
+        if p in ("bf16-mixed", "fp16-mixed"):
+            dtype = torch.bfloat16 if p == "bf16-mixed" else torch.float16
+            return torch.autocast(self.device.type, dtype=dtype)
+        return contextlib.nullcontext()
+
+    def _zero_grad(self) -> None:
+        for p in self.model.parameters():
+            p.grad = None
+
+    def iteration(self, batch_size: int) -> None:
+        """One training iteration, with phase markers (harmless when nothing records)."""
+        torch.manual_seed(SEED)  # same dropout masks every time: memory is deterministic
+        self._zero_grad()
+        mark("iter")
+        batch = self.batch_fn(batch_size)
+        mark("batch")
+        with self._autocast():
+            loss = self.loss_fn(self.model, batch)
+        mark("loss")
+        try:
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+        except RuntimeError as e:
+            raise UserCodeError(
+                f"backward failed: {type(e).__name__}: {str(e).splitlines()[0]}",
+                "check that the loss depends on the model's trainable parameters",
+            ) from e
+        mark("backward")
+        if self.optimizer is not None:
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+        mark("step")
+
+    def warm_up(self, batch_size: int) -> None:
+        """Run one iteration so the optimizer state exists (steady state)."""
+        if not self._warm:
+            self.iteration(batch_size)
+            self._warm = True
+
+    def _state_bytes(self) -> tuple[int, int, int]:
+        m = self.model
+        param = unique_bytes([*m.parameters(), *m.buffers()])
+        opt = 0
+        if self.optimizer is not None:
+            opt = unique_bytes(t for st in self.optimizer.state.values() for t in st.values())
+        grads = unique_bytes(p.grad for p in m.parameters() if p.grad is not None)
+        return param, opt, grads
+
+    # -- measurement ----------------------------------------------------------------------------
+    def measure(
+        self,
+        batch_size: int,
+        checkpoint: Sequence[str] = (),
+        units: Sequence[str] = (),
+        attribute: bool = False,
+    ) -> Measurement:
+        """Record one steady-state iteration.
+
+        `checkpoint`: module names wrapped with non-reentrant checkpoint for this run. `units`: modules
+        whose forward start/end and backward start are marked ("f>name", "f<name", "b>name").
+        `attribute`: also attribute saved tensors to modules and mark every module.
+        """
+        self.warm_up(batch_size)
+        param_b, opt_b, grads_before = self._state_bytes()
+        self._zero_grad()  # frees before recording starts: the profiler cannot see frees of older blocks
+        names = {mod: name for name, mod in self.model.named_modules()}
+        marked = set(units) | (set(names.values()) if attribute else set())
+        inst = _Instrument(self.model, names, marked, attribute)
+        try:
+            if checkpoint:
+                _apply().apply(self.model, list(checkpoint))
+            inst.install()
+            with Recorder(self.device.type) as rec:
+                self.iteration(batch_size)
+        finally:
+            inst.remove()
+            if checkpoint:
+                _apply().remove(self.model)
+        tl = rec.timeline
+        param_b, opt_b, grads_after = self._state_bytes()
+        static = param_b + opt_b
+        t_start = tl.marker("iter")
+        top, when = tl.max_between(t_start)
+        peak, peak_time = static + top, when
+        if static + grads_before > peak:  # the previous iteration's gradients, before zero_grad
+            peak, peak_time = static + grads_before, t_start
+        return Measurement(
+            batch_size=batch_size,
+            checkpoint=tuple(checkpoint),
+            param_bytes=param_b,
+            optimizer_bytes=opt_b,
+            grad_bytes=grads_after,
+            static_bytes=static,
+            peak_bytes=peak,
+            peak_time=peak_time,
+            timeline=tl,
+            saved=inst.saved,
+            grad_ptrs=inst.grad_ptrs,
+            module_io=inst.module_io,
+        )
+
+    def time_step(self, batch_size: int, checkpoint: Sequence[str] = (), repeats: int = 3) -> Timing:
+        """Median wall time of `repeats` iterations and each module's forward time (ms), no profiler."""
+        self.warm_up(batch_size)
+        names = {mod: name for name, mod in self.model.named_modules()}
+        clock = _ForwardClock(self.model, names)
+        steps: list[float] = []
+        try:
+            if checkpoint:
+                _apply().apply(self.model, list(checkpoint))
+            clock.install()
+            for _ in range(repeats):
+                clock.reset()
+                sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+                sync()
+                t0 = time.perf_counter()
+                self.iteration(batch_size)
+                sync()
+                steps.append((time.perf_counter() - t0) * 1e3)
+                clock.keep_min()
+        finally:
+            clock.remove()
+            if checkpoint:
+                _apply().remove(self.model)
+        steps.sort()
+        return Timing(batch_size, tuple(checkpoint), steps[len(steps) // 2], dict(clock.best))
+
+
+@dataclass(frozen=True)
+class Timing:
+    batch_size: int
+    checkpoint: tuple[str, ...]
+    step_ms: float
+    forward_ms: dict[str, float]  # module name -> inclusive forward time (ms), fastest of the repeats
+
+
+def _apply():
+    from ckpt_tune import apply  # imported late: apply imports the plan format, which imports nothing of ours
+
+    return apply
+
+
+def _make_optimizer(name: str, params: list[nn.Parameter]) -> torch.optim.Optimizer | None:
+    # lr=0: the step reads and writes exactly what a real step does, yet p - 0*update == p bit for bit.
+    if name == "none" or not params:
+        return None
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=0.0)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=0.0)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.0)
+    return torch.optim.SGD(params, lr=0.0, momentum=0.9)
+
+
+class _Instrument:
+    """Forward/backward markers, module stack, saved-tensor attribution, gradient pointers."""
+
+    def __init__(self, model: nn.Module, names: dict[nn.Module, str], marked: set[str], attribute: bool) -> None:
+        self.model, self.names, self.marked, self.attribute = model, names, marked, attribute
+        self.handles: list[Any] = []
+        self.stack: list[str] = []
+        self.saved: dict[int, tuple[int, str | None]] = {}
+        self.grad_ptrs: list[int] = []
+        self.module_io: dict[str, tuple[int, int]] = {}
+        self._hooks_ctx = None
+        self._param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def install(self) -> None:
+        for mod, name in self.names.items():
+            if name in self.marked or (self.attribute and mod is self.model):
+                self.handles.append(mod.register_forward_pre_hook(self._pre(name), with_kwargs=True))
+                self.handles.append(mod.register_forward_hook(self._post(name), with_kwargs=True))
+        if self.attribute:
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    self.handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+            self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+            self._hooks_ctx.__enter__()
+
+    def remove(self) -> None:
+        if self._hooks_ctx is not None:
+            self._hooks_ctx.__exit__(None, None, None)
+            self._hooks_ctx = None
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        self.stack.clear()
+
+    def _pre(self, name: str):
+        def hook(mod, args, kwargs):
+            mark(f"f>{name}")
+            self.stack.append(name)
+            if self.attribute:
+                self.module_io[name] = (unique_bytes(iter_tensors((args, kwargs))), 0)
+
+        return hook
+
+    def _post(self, name: str):
+        def hook(mod, args, kwargs, out):
+            if self.stack and self.stack[-1] == name:
+                self.stack.pop()
+            mark(f"f<{name}")
+            if self.attribute:
+                self.module_io[name] = (self.module_io[name][0], unique_bytes(iter_tensors(out)))
+            for t in iter_tensors(out):
+                if t.requires_grad and t.grad_fn is not None:
+                    t.register_hook(lambda g, name=name: mark(f"b>{name}"))
+                    break
+
+        return hook
+
+    def _pack(self, t: torch.Tensor):
+        if t.device.type != "meta":
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self._param_ptrs and ptr not in self.saved:
+                self.saved[ptr] = (t.untyped_storage().nbytes(), self.stack[-1] if self.stack else None)
+        return t
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if p.grad is not None:
+            self.grad_ptrs.append(p.grad.untyped_storage().data_ptr())
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class _ForwardClock:
+    """Inclusive forward wall time per module, via pre/post hooks (no profiler)."""
+
+    def __init__(self, model: nn.Module, names: dict[nn.Module, str]) -> None:
+        self.model, self.names = model, names
+        self.handles: list[Any] = []
+        self.start: dict[str, list[float]] = {}
+        self.total: dict[str, float] = {}
+        self.best: dict[str, float] = {}
+
+    def install(self) -> None:
+        for mod, name in self.names.items():
+            self.handles.append(mod.register_forward_pre_hook(self._pre(name)))
+            self.handles.append(mod.register_forward_hook(self._post(name)))
+
+    def _pre(self, name):
+        def hook(mod, args):
+            self.start.setdefault(name, []).append(time.perf_counter())
+
+        return hook
+
+    def _post(self, name):
+        def hook(mod, args, out):
+            t0 = self.start[name].pop()
+            self.total[name] = self.total.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+
+        return hook
+
+    def reset(self) -> None:
+        self.total = {}
+
+    def keep_min(self) -> None:
+        for k, v in self.total.items():
+            self.best[k] = min(v, self.best.get(k, v))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
