@@ -1,0 +1,1 @@
+import ckpt_tune_no_such_module  # noqa: F401

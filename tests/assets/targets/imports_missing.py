@@ -1,0 +1,5 @@
+import ckpt_tune_no_such_module  # noqa: F401
+
+
+def build():
+    return None
