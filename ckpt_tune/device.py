@@ -124,7 +124,7 @@ def _margin_bytes(margin: str | float | None, total: int, kind: str) -> tuple[in
     if margin is None:
         share = DEFAULT_CUDA_MARGIN if kind == "cuda" else Fraction(0)
         how = f"default {float(share) * 100:g}% on {kind}"
-    elif isinstance(margin, (int, float)) and not isinstance(margin, bool):
+    elif isinstance(margin, (int, float)) and not isinstance(margin, bool) and math.isfinite(margin):
         share, how = Fraction(margin), f"{margin:g} of the total"
     elif isinstance(margin, str) and margin.strip().endswith("%"):
         share, how = _parse_percent(margin), f"{margin.strip()} of the total"

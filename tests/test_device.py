@@ -134,7 +134,7 @@ def test_margin_applies_per_device_index_too() -> None:
     assert budget.usable_bytes == 10 * 2**30 - 768 * 2**20 - 2**30
 
 
-@pytest.mark.parametrize("margin", ["100%", "150%", "1.5", "x%", "abc", "-5%"])
+@pytest.mark.parametrize("margin", ["100%", "150%", "1.5", "x%", "abc", "-5%", 1.0, -0.1, float("nan")])
 def test_margin_errors_name_the_margin(margin: str) -> None:
     with pytest.raises(BudgetError) as info:
         parse_budget("24GB", device="cuda", margin=margin)
