@@ -19,7 +19,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/ckpt-tune search examples/gpt.py:build --device cpu --vram 600MiB --batch-size 16 --out ckpt_tune.yaml --patch ckpt_tune_patch.py
+	$(BIN)/ckpt-tune search examples/gpt.py:build --device cpu --vram 160MiB --out ckpt_tune.yaml --patch ckpt_tune_patch.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -80,6 +80,7 @@ class Measurement:
     saved: dict[int, tuple[int, str | None]] = field(default_factory=dict)  # ptr -> (bytes, innermost module; None: outside the model)
     grad_ptrs: list[int] = field(default_factory=list)
     module_io: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (input, output bytes)
+    reserved_bytes: int | None = None  # CUDA: max_memory_reserved() of the iteration
 
     def rel(self, t: int) -> int:
         return self.timeline.live_at(t)
@@ -219,8 +220,15 @@ class StepRunner:
             if checkpoint:
                 _apply().apply(self.model, list(checkpoint))
             inst.install()
+            cuda = self.device.type == "cuda"
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
             with Recorder(self.device.type) as rec:
                 self.iteration(batch_size)
+            if cuda:
+                torch.cuda.synchronize()
+                cuda_peak, cuda_reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
         finally:
             inst.remove()
             if checkpoint:
@@ -233,6 +241,9 @@ class StepRunner:
         peak, peak_time = static + top, when
         if static + grads_before > peak:  # the previous iteration's gradients, before zero_grad
             peak, peak_time = static + grads_before, t_start
+        reserved = None
+        if cuda:  # on CUDA the allocator's own counter is ground truth (it includes its 512 B rounding)
+            peak, reserved = max(cuda_peak, static + grads_before), cuda_reserved
         return Measurement(
             batch_size=batch_size,
             checkpoint=tuple(checkpoint),
@@ -246,6 +257,7 @@ class StepRunner:
             saved=inst.saved,
             grad_ptrs=inst.grad_ptrs,
             module_io=inst.module_io,
+            reserved_bytes=reserved,
         )
 
     def time_step(self, batch_size: int, checkpoint: Sequence[str] = (), repeats: int = 3) -> Timing:

@@ -1,0 +1,157 @@
+"""The memory model of DESIGN.md §4: predicted peak of any checkpoint plan, from a few recorded runs.
+
+Blocks u_0..u_{n-1} run in this order in forward and in reverse in backward. Cut the live-byte curve of
+one iteration at the blocks' markers:
+
+    prefix      P_i = live(f>u_i) - live(f>u_0)                   (what blocks before i still store)
+    stored      d_i = live(f>u_{i+1}) - live(f>u_i)                 (P_{i+1} = P_i + d_i)
+    forward     F_i = max live over [f>u_i, f>u_{i+1}) - live(f>u_i)    (the last block's region runs to
+                                                                      its backward: loss/logits spike)
+    backward    B_i = max live over [b>u_i, b>u_{i-1}) - live(f>u_0) - P_i
+    fixed       C   = max live before f>u_0 and after the backward (embedding, optimizer step)
+
+    peak(s) = static + live(f>u_0) + max(C', max_i [P_i(s) + F_i], max_i [P_i(s) + B_i])
+
+Every term of block i depends only on its own choice s_i and its predecessor's s_{i-1} (a block that
+does not keep its input frees its predecessor's output; a predecessor ending in an op that saves its own
+output overlaps with it). Four runs (none, all, even, odd checkpointed) observe all four (s_{i-1}, s_i)
+pairs of every block, so the model is exact wherever block terms are additive like this. Terms are
+linear in batch size; `Terms.interpolate` fits them from two batch sizes.
+
+Everything here is pure: no device, no model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Index of a (previous choice, own choice) pair: 0 = stored normally, 1 = checkpointed.
+PAIRS = ((0, 0), (0, 1), (1, 0), (1, 1))
+
+
+@dataclass(frozen=True)
+class BlockTerms:
+    """d, F, B of one block for each (s_prev, s_own) pair, indexed like PAIRS."""
+
+    d: tuple[int, int, int, int]
+    F: tuple[int, int, int, int]
+    B: tuple[int, int, int, int]
+
+
+@dataclass(frozen=True)
+class Terms:
+    batch_size: int
+    units: tuple[str, ...]
+    static: int  # params + buffers + optimizer state, live all iteration
+    base: int  # live(f>u_0) above static: the batch and everything before the first block
+    fixed: int  # max live above static outside the blocks' regions (before u_0, optimizer step)
+    blocks: tuple[BlockTerms, ...]
+    measured: dict[tuple[int, ...], int] = field(default_factory=dict, compare=False)  # config -> peak
+
+    def interpolate(self, other: Terms, batch_size: int) -> Terms:
+        """Terms at another batch size, linear through self and other (rounded up: never optimistic)."""
+        b1, b2 = self.batch_size, other.batch_size
+
+        def lin(x1: int, x2: int) -> int:
+            num = x1 * (b2 - batch_size) + x2 * (batch_size - b1)
+            return -((-num) // (b2 - b1))  # ceiling division
+
+        def tup(a, b):
+            return tuple(lin(x, y) for x, y in zip(a, b))
+
+        blocks = tuple(
+            BlockTerms(tup(p.d, q.d), tup(p.F, q.F), tup(p.B, q.B)) for p, q in zip(self.blocks, other.blocks)
+        )
+        return Terms(batch_size, self.units, self.static, lin(self.base, other.base), lin(self.fixed, other.fixed), blocks)
+
+
+def pair_index(prev: int, own: int) -> int:
+    return prev * 2 + own
+
+
+def predict(terms: Terms, choice: tuple[int, ...]) -> int:
+    """Predicted peak bytes of the iteration with blocks where choice[i] == 1 checkpointed."""
+    top = terms.fixed - terms.base
+    prefix, prev = 0, 0
+    for i, blk in enumerate(terms.blocks):
+        k = pair_index(prev, choice[i])
+        top = max(top, prefix + blk.F[k], prefix + blk.B[k])
+        prefix += blk.d[k]
+        prev = choice[i]
+    return terms.static + terms.base + top
+
+
+def probe_configs(n: int) -> dict[str, tuple[int, ...]]:
+    """The four runs that observe every (s_prev, s_own) pair of every block."""
+    return {
+        "none": (0,) * n,
+        "all": (1,) * n,
+        "even": tuple(1 - (i % 2) for i in range(n)),
+        "odd": tuple(i % 2 for i in range(n)),
+    }
+
+
+@dataclass(frozen=True)
+class RunCut:
+    """The per-block cut of one recorded run (see module docstring), relative to live(f>u_0)."""
+
+    choice: tuple[int, ...]
+    base: int
+    fixed: int
+    d: tuple[int, ...]
+    F: tuple[int, ...]
+    B: tuple[int, ...]
+    peak_above_static: int
+
+
+def cut_run(live_at, max_between, markers: dict[str, list[int]], units: tuple[str, ...], choice) -> RunCut:
+    """Cut one run's live curve at the blocks' markers. `live_at(t)`, `max_between(t0, t1)` read the curve."""
+    n = len(units)
+    t_f = [markers["f>" + u][0] for u in units]
+    t_b = [markers["b>" + u][0] for u in units]
+    t_iter, t_bwd_end, t_end = markers["iter"][0], markers["backward"][0], markers["step"][0]
+    base = live_at(t_f[0])
+    d, F, B = [], [], []
+    for i in range(n):
+        t0 = t_f[i]
+        t1 = t_f[i + 1] if i + 1 < n else t_b[n - 1]
+        lv = live_at(t0)
+        F.append(max_between(t0, t1)[0] - lv)
+        d.append((live_at(t_f[i + 1]) - lv) if i + 1 < n else 0)
+    prefix = [0]
+    for x in d[:-1]:
+        prefix.append(prefix[-1] + x)
+    for i in range(n):
+        t0 = t_b[i]
+        t1 = t_b[i - 1] if i > 0 else t_bwd_end
+        B.append(max_between(t0, t1)[0] - base - prefix[i])
+    fixed = max(max_between(t_iter, t_f[0])[0], max_between(t_bwd_end, t_end + 1)[0])
+    peak = max_between(t_iter, t_end + 1)[0]
+    return RunCut(tuple(choice), base, fixed, tuple(d), tuple(F), tuple(B), peak)
+
+
+def combine(cuts: list[RunCut], units: tuple[str, ...], static: int, batch_size: int) -> Terms:
+    """Assemble Terms from the probe runs: each block's pair terms from the run that shows that pair."""
+    n = len(units)
+    blocks = []
+    for i in range(n):
+        vals: dict[int, tuple[int, int, int]] = {}
+        for c in cuts:
+            prev = c.choice[i - 1] if i > 0 else 0
+            for k in ([pair_index(prev, c.choice[i])] if i > 0 else [pair_index(0, c.choice[0]), pair_index(1, c.choice[0])]):
+                vals.setdefault(k, (c.d[i], c.F[i], c.B[i]))
+        missing = [k for k in range(4) if k not in vals]
+        if missing:
+            raise ValueError(f"probe runs miss pairs {missing} of block {units[i]}")
+        blocks.append(
+            BlockTerms(
+                tuple(vals[k][0] for k in range(4)),
+                tuple(vals[k][1] for k in range(4)),
+                tuple(vals[k][2] for k in range(4)),
+            )
+        )
+    base = max(c.base for c in cuts)
+    fixed = max(c.fixed for c in cuts)
+    return Terms(
+        batch_size, units, static, base, fixed, tuple(blocks), {c.choice: static + c.peak_above_static for c in cuts}
+    )

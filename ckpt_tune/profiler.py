@@ -1,0 +1,250 @@
+"""`profile`: where the memory of one training iteration goes, as a data record.
+
+One recorded iteration (runner.measure with attribution) gives the measured peak and the moment it is
+reached; saved-tensor hooks give each module's activation bytes; gradient hooks and the allocator's
+intervals say what is live at the peak. A second recorded iteration at another batch size splits the peak
+into a fixed part and a per-sample part. A timing pass without the profiler gives forward times.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ckpt_tune.runner import Measurement, StepRunner, StepSettings, Timing, unique_bytes
+
+OUTSIDE = "(outside the model)"
+
+
+@dataclass(frozen=True)
+class ModuleRecord:
+    name: str  # from named_modules(); "" is the root
+    type: str  # class name
+    depth: int  # 0 for the root
+    activation_bytes: int  # saved for backward by this module's own ops (parameters excluded, storages once)
+    subtree_activation_bytes: int  # the same, summed over the module and everything below it
+    input_bytes: int
+    output_bytes: int
+    param_bytes: int  # parameters of the subtree (tied weights once)
+    forward_ms: float  # inclusive forward wall time, fastest of the timing repeats
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """What is live at the moment of the peak. The five parts add up to the peak exactly."""
+
+    params: int  # parameters and buffers
+    grads: int  # gradients already produced at that moment
+    optimizer: int  # optimizer state
+    activations: int  # tensors saved for backward still live at that moment
+    other: int  # batch, logits and loss, temporaries, kernel scratch: everything no category above owns
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.other
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """peak(b) ≈ fixed_bytes + per_sample_bytes * b, from two measured batch sizes."""
+
+    batch_sizes: tuple[int, int]
+    peaks: tuple[int, int]
+    fixed_bytes: int
+    per_sample_bytes: int
+
+    def predict(self, batch_size: int) -> int:
+        return self.fixed_bytes + self.per_sample_bytes * batch_size
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    target: str
+    device: str
+    precision: str
+    optimizer: str
+    batch_size: int
+    torch_version: str
+    measured_by: str  # what the peak comes from
+    peak_bytes: int  # largest live bytes of the iteration, parameters included
+    peak_phase: str  # where it is reached, e.g. "backward: blocks.5.mlp"
+    breakdown: Breakdown
+    param_bytes: int  # whole-step totals, independent of the peak moment
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_total_bytes: int  # everything saved for backward = Σ modules' activation_bytes + unattributed
+    unattributed_activation_bytes: int  # saved by ops outside every module (loss, code in loss_fn)
+    modules: tuple[ModuleRecord, ...]
+    scaling: Scaling | None
+    step_ms: float
+    cuda_reserved_bytes: int | None = None
+    device_total_bytes: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["breakdown"] = asdict(self.breakdown)
+        return d
+
+
+def profile_model(
+    model: nn.Module,
+    batch_fn,
+    loss_fn,
+    batch_size: int = 8,
+    settings: StepSettings = StepSettings(),
+    target: str = "<model>",
+    scaling: bool = True,
+    checkpoint: tuple[str, ...] = (),
+) -> StepProfile:
+    """Profile one training iteration of `model`. The model is restored afterwards (see StepRunner)."""
+    with StepRunner(model, batch_fn, loss_fn, settings) as runner:
+        m = runner.measure(batch_size, checkpoint=checkpoint, attribute=True)
+        timing = runner.time_step(batch_size, checkpoint=checkpoint, repeats=3)
+        scale = None
+        if scaling:
+            b2 = batch_size * 2 if batch_size <= 4 else batch_size // 2
+            m2 = runner.measure(b2, checkpoint=checkpoint)
+            scale = fit_scaling((batch_size, m.peak_bytes), (b2, m2.peak_bytes))
+        modules = module_records(model, m, timing)
+    return build_profile(m, modules, scale, timing, settings, target)
+
+
+def fit_scaling(a: tuple[int, int], b: tuple[int, int]) -> Scaling:
+    (b1, p1), (b2, p2) = sorted([a, b])
+    per = (p2 - p1) // (b2 - b1) if b2 != b1 else 0
+    return Scaling((b1, b2), (p1, p2), p1 - per * b1, per)
+
+
+def module_records(model: nn.Module, m: Measurement, timing: Timing) -> tuple[ModuleRecord, ...]:
+    own: dict[str, int] = {}
+    for nbytes, owner in m.saved.values():
+        if owner is not None:
+            own[owner] = own.get(owner, 0) + nbytes
+    out = []
+    for name, mod in model.named_modules():
+        prefix = name + "." if name else ""
+        subtree = sum(v for k, v in own.items() if k == name or k.startswith(prefix))
+        io = m.module_io.get(name, (0, 0))
+        out.append(
+            ModuleRecord(
+                name=name,
+                type=type(mod).__name__,
+                depth=0 if not name else name.count(".") + 1,
+                activation_bytes=own.get(name, 0),
+                subtree_activation_bytes=subtree,
+                input_bytes=io[0],
+                output_bytes=io[1],
+                param_bytes=unique_bytes(mod.parameters()),
+                forward_ms=round(timing.forward_ms.get(name, 0.0), 4),
+            )
+        )
+    return tuple(out)
+
+
+def live_at_peak(m: Measurement) -> tuple[int, int]:
+    """(activation bytes, gradient bytes) live at the peak moment, from the allocator's intervals."""
+    tl, t = m.timeline, m.peak_time
+    if t == tl.marker("iter"):
+        return 0, m.peak_bytes - m.static_bytes
+    t_fwd_end = tl.marker("loss")
+    t_bwd_end = tl.marker("backward")
+    by_ptr: dict[int, list[tuple[int, int, int]]] = {}
+    for ptr, size, t0, t1 in tl.intervals():
+        by_ptr.setdefault(ptr, []).append((t0, t1, size))
+
+    def live_bytes(ptrs, anchor: int) -> int:
+        total = 0
+        for p in set(ptrs):
+            for t0, t1, size in by_ptr.get(p, ()):
+                if t0 <= anchor < t1 and t0 <= t < t1:  # the allocation that held it at `anchor` is live at t
+                    total += size
+        return total
+
+    acts = live_bytes(m.saved.keys(), t_fwd_end)
+    grads = live_bytes(m.grad_ptrs, t_bwd_end)
+    return acts, grads
+
+
+def peak_phase(m: Measurement) -> str:
+    tl, t = m.timeline, m.peak_time
+    mk = tl.markers
+    if t <= mk["iter"][0]:
+        return "start of the iteration (previous gradients still live)"
+    if t < mk["batch"][0]:
+        return "make_batch"
+    if t < mk["loss"][0]:
+        root_end = mk.get("f<", [None])[0]
+        if root_end is not None and t >= root_end:
+            return "loss (after the model's forward)"
+        return "forward: " + _innermost_forward(mk, t)
+    if t < mk["backward"][0]:
+        last, when = None, -1
+        for key, times in mk.items():
+            if key.startswith("b>"):
+                i = bisect.bisect_right(times, t)
+                if i and times[i - 1] > when:
+                    last, when = key[2:], times[i - 1]
+        return "backward: " + (last if last else "loss") if last != "" else "backward: (root)"
+    return "optimizer step"
+
+
+def _innermost_forward(mk: dict[str, list[int]], t: int) -> str:
+    best, depth = "(root)", -1
+    for key, starts in mk.items():
+        if not key.startswith("f>"):
+            continue
+        name = key[2:]
+        ends = mk.get("f<" + name, [])
+        for s, e in zip(starts, ends):
+            d = 0 if not name else name.count(".") + 1
+            if s <= t <= e and d > depth:
+                best, depth = name or "(root)", d
+    return best
+
+
+def build_profile(
+    m: Measurement,
+    modules: tuple[ModuleRecord, ...],
+    scale: Scaling | None,
+    timing: Timing,
+    settings: StepSettings,
+    target: str,
+) -> StepProfile:
+    acts_live, grads_live = live_at_peak(m)
+    breakdown = Breakdown(
+        params=m.param_bytes,
+        grads=grads_live,
+        optimizer=m.optimizer_bytes,
+        activations=acts_live,
+        other=m.peak_bytes - m.param_bytes - m.optimizer_bytes - grads_live - acts_live,
+    )
+    unattributed = sum(n for n, owner in m.saved.values() if owner is None)
+    total = sum(n for n, _ in m.saved.values())
+    cuda = torch.device(settings.device).type == "cuda"
+    total_mem = torch.cuda.mem_get_info()[1] if cuda else None
+    return StepProfile(
+        target=target,
+        device=settings.device,
+        precision=settings.precision,
+        optimizer=settings.optimizer,
+        batch_size=m.batch_size,
+        torch_version=torch.__version__,
+        measured_by="torch.cuda.max_memory_allocated" if cuda else "allocator events (torch.profiler, profile_memory=True)",
+        peak_bytes=m.peak_bytes,
+        peak_phase=peak_phase(m),
+        breakdown=breakdown,
+        param_bytes=m.param_bytes,
+        grad_bytes=m.grad_bytes,
+        optimizer_bytes=m.optimizer_bytes,
+        activation_total_bytes=total,
+        unattributed_activation_bytes=unattributed,
+        modules=modules,
+        scaling=scale,
+        step_ms=round(timing.step_ms, 3),
+        cuda_reserved_bytes=m.reserved_bytes,
+        device_total_bytes=total_mem,
+    )

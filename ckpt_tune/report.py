@@ -1,0 +1,147 @@
+"""The only place that renders with rich. Everything goes to stderr; --json output goes to stdout."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.syntax import Syntax
+from rich.table import Table
+
+from ckpt_tune.profiler import StepProfile
+from ckpt_tune.units import format_bytes
+
+err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 120)
+
+
+def _pct(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "-"
+
+
+@contextlib.contextmanager
+def progress(message: str, enabled: bool = True) -> Iterator[Callable[[str], None]]:
+    """A spinner on stderr; yields a function that updates its text."""
+    if not enabled or not err.is_terminal:
+        yield lambda msg: None
+        return
+    with err.status(message) as status:
+        yield lambda msg: status.update(f"{message}: {msg}")
+
+
+def profile_table(prof: StepProfile, top: int = 15, depth: int | None = None) -> Table:
+    t = Table(title=f"Activation memory by module, batch {prof.batch_size} ({prof.device}, {prof.precision})", title_justify="left")
+    t.add_column("module")
+    t.add_column("type")
+    t.add_column("saved (own)", justify="right")
+    t.add_column("saved (subtree)", justify="right")
+    t.add_column("share of step", justify="right")
+    t.add_column("output", justify="right")
+    t.add_column("params", justify="right")
+    t.add_column("fwd ms", justify="right")
+    rows = [m for m in prof.modules if m.name and (depth is None or m.depth <= depth)]
+    rows.sort(key=lambda m: m.subtree_activation_bytes if depth is not None else m.activation_bytes, reverse=True)
+    for m in rows[:top]:
+        t.add_row(
+            m.name,
+            m.type,
+            format_bytes(m.activation_bytes),
+            format_bytes(m.subtree_activation_bytes),
+            _pct(m.subtree_activation_bytes if depth is not None else m.activation_bytes, prof.peak_bytes),
+            format_bytes(m.output_bytes),
+            format_bytes(m.param_bytes),
+            f"{m.forward_ms:.2f}",
+        )
+    if prof.unattributed_activation_bytes:
+        t.add_row(
+            "(outside every module)", "loss / loss_fn", format_bytes(prof.unattributed_activation_bytes), "",
+            _pct(prof.unattributed_activation_bytes, prof.peak_bytes), "", "", "",
+        )
+    return t
+
+
+def breakdown_panel(prof: StepProfile) -> Panel:
+    b = prof.breakdown
+    t = Table.grid(padding=(0, 2))
+    t.add_column()
+    t.add_column(justify="right")
+    t.add_column(justify="right")
+    for label, val in (
+        ("parameters + buffers", b.params),
+        ("gradients", b.grads),
+        ("optimizer state", b.optimizer),
+        ("activations (saved for backward)", b.activations),
+        ("other: batch, logits/loss, temporaries", b.other),
+    ):
+        t.add_row(label, format_bytes(val), _pct(val, prof.peak_bytes))
+    t.add_row("[bold]peak[/bold]", f"[bold]{format_bytes(prof.peak_bytes)}[/bold]", "100%")
+    lines = [
+        t,
+        "",
+        f"peak reached in: [bold]{prof.peak_phase}[/bold]",
+        f"whole step: params {format_bytes(prof.param_bytes)}, grads {format_bytes(prof.grad_bytes)}, "
+        f"optimizer {format_bytes(prof.optimizer_bytes)}, saved for backward {format_bytes(prof.activation_total_bytes)} "
+        f"(of which outside every module {format_bytes(prof.unattributed_activation_bytes)})",
+    ]
+    if prof.scaling:
+        s = prof.scaling
+        lines.append(
+            f"scaling: peak ≈ {format_bytes(s.fixed_bytes)} + {format_bytes(s.per_sample_bytes)} × batch "
+            f"(measured at batch {s.batch_sizes[0]} and {s.batch_sizes[1]})"
+        )
+    if prof.cuda_reserved_bytes is not None:
+        lines.append(f"CUDA reserved (caching allocator): {format_bytes(prof.cuda_reserved_bytes)}")
+    lines.append(f"step time {prof.step_ms:.1f} ms; measured by {prof.measured_by}")
+    return Panel(Group(*lines), title="Where the peak goes (live at the peak moment)", title_align="left")
+
+
+def render_profile(prof: StepProfile, top: int = 15, depth: int | None = None) -> None:
+    err.print(profile_table(prof, top, depth))
+    err.print(breakdown_panel(prof))
+
+
+def render_search(outcome, plan_yaml: str, patch: str, elapsed_s: float) -> None:
+    res, budget = outcome.result, outcome.budget
+    err.print(f"budget: {budget.source}; usable {format_bytes(budget.usable_bytes)}")
+    t = Table(title="Frontier: best plan per batch size", title_justify="left")
+    for col in ("batch", "checkpointed blocks", "predicted peak", "recompute", "fits"):
+        t.add_column(col, justify="right" if col != "checkpointed blocks" else "left")
+    for r in res.frontier:
+        t.add_row(
+            str(r.batch_size), _plan_label(r.plan, res.units), format_bytes(r.predicted_peak),
+            f"{100 * r.recompute_fraction:.1f}%", "[green]yes[/green]" if r.fits else "[red]no[/red]",
+        )
+    err.print(t)
+    b = Table(title=f"At batch {res.batch_size}", title_justify="left")
+    for col in ("strategy", "checkpointed", "peak", "recompute", "fits"):
+        b.add_column(col, justify="left" if col in ("strategy", "checkpointed") else "right")
+    for label, row in res.baselines.items():
+        b.add_row(label, f"{len(row.plan)}/{len(res.units)}", format_bytes(row.predicted_peak) + " (measured)",
+                  f"{100 * row.recompute_fraction:.1f}%", "yes" if row.fits else "no")
+    b.add_row("[bold]ckpt-tune plan[/bold]", f"{len(res.checkpoint)}/{len(res.units)}",
+              f"{format_bytes(res.predicted_peak)} predicted, {format_bytes(res.verified_peak)} verified",
+              f"{100 * res.recompute_fraction:.1f}%", "[green]yes[/green]")
+    err.print(b)
+    for note in res.notes:
+        err.print(note)
+    err.print(Panel(Syntax(plan_yaml, "yaml", theme="ansi_dark", background_color="default"), title="plan", title_align="left"))
+    err.print(Panel(Syntax(patch, "python", theme="ansi_dark", background_color="default"), title="patch", title_align="left"))
+    err.print(f"searched in {elapsed_s:.1f} s ({res.probes} recorded steps)")
+
+
+def _plan_label(plan: tuple[str, ...], units: tuple[str, ...]) -> str:
+    if not plan:
+        return "(none)"
+    if len(plan) == len(units):
+        return f"all {len(units)}"
+    if len(plan) <= 4:
+        return ", ".join(plan)
+    return f"{len(plan)} of {len(units)}: {', '.join(plan[:3])}, …"
+
+
+def error(message: str, hint: str | None) -> None:
+    err.print(f"[bold red]error:[/bold red] {message}")
+    if hint:
+        err.print(f"[dim]hint:[/dim] {hint}")

@@ -1,0 +1,247 @@
+"""`search`: the largest batch that fits a budget, the cheapest checkpoint plan that reaches it, verified.
+
+1. Candidates: the repeated blocks of the model (children of ModuleList/Sequential containers with
+   several entries of one type), outermost first, in execution order.
+2. Probe: four recorded runs (none / all / even / odd checkpointed) at a batch size give the memory
+   model's terms (memory_model.py); two batch sizes give them as a line in batch size.
+3. Outer search over batch sizes on the fitted terms, then re-probe at the chosen batch itself, so the
+   final answer rests on terms measured at that batch, not extrapolated.
+4. Solve (planner.py) for the least recompute time under the budget.
+5. Verify: run the plan and measure. A plan over budget is never reported as fitting: the room is
+   tightened by the overshoot and the planner runs again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from ckpt_tune.errors import NoFitError
+from ckpt_tune.memory_model import Terms, combine, cut_run, predict, probe_configs
+from ckpt_tune.planner import Solution, min_peak, solve
+from ckpt_tune.runner import StepRunner
+from ckpt_tune.units import format_bytes
+
+MAX_BATCH = 1 << 16
+# A batch the fitted (linear) terms put this far over budget is taken as not fitting without probing it.
+# Terms are linear in batch size to within allocator granularity; 2% is far above what was observed.
+SKIP_MARGIN = 0.02
+
+
+def find_blocks(model: nn.Module) -> list[str]:
+    """Names of the repeated blocks a user would wrap, outermost first, in registration order."""
+    found: list[str] = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(mod.named_children())
+        types = [type(c) for _, c in children]
+        for cname, child in children:
+            if types.count(type(child)) >= 2 and sum(1 for _ in child.parameters()) > 0:
+                full = f"{name}.{cname}" if name else cname
+                if not any(full.startswith(f + ".") for f in found):
+                    found.append(full)
+    # a block nested in another found block is a finer option, not a chain member
+    return [f for f in found if not any(f != g and f.startswith(g + ".") for g in found)]
+
+
+@dataclass(frozen=True)
+class FrontierRow:
+    batch_size: int
+    plan: tuple[str, ...]
+    predicted_peak: int
+    recompute_fraction: float
+    fits: bool
+
+
+@dataclass
+class SearchResult:
+    batch_size: int
+    checkpoint: tuple[str, ...]
+    predicted_peak: int
+    verified_peak: int
+    recompute_fraction: float
+    budget: int
+    units: tuple[str, ...]
+    step_ms: float
+    frontier: list[FrontierRow] = field(default_factory=list)
+    baselines: dict[str, FrontierRow] = field(default_factory=dict)
+    probes: int = 0  # recorded runs spent
+    grad_accum_steps: int = 1
+    notes: list[str] = field(default_factory=list)
+
+
+class Searcher:
+    """Holds a StepRunner and the units; caches probes per batch size."""
+
+    def __init__(self, runner: StepRunner, units: list[str] | None = None, progress: Callable[[str], None] | None = None):
+        self.runner = runner
+        self.progress = progress or (lambda msg: None)
+        self.units = tuple(units if units is not None else find_blocks(runner.model))
+        self._terms: dict[int, Terms] = {}
+        self.runs = 0
+        self._costs: dict[int, tuple[tuple[float, ...], float]] = {}
+
+    # -- measurements ---------------------------------------------------------------------
+    def order_units(self, batch_size: int) -> None:
+        """Keep blocks that run once per step in a chain; order them by execution."""
+        m = self.runner.measure(batch_size, units=self.units)
+        self.runs += 1
+        mk = m.timeline.markers
+        ok = [u for u in self.units if len(mk.get("f>" + u, [])) == 1 and len(mk.get("b>" + u, [])) == 1]
+        ok.sort(key=lambda u: mk["f>" + u][0])
+        # backward must visit them in reverse forward order, each forward must end before the next starts
+        chain: list[str] = []
+        for u in ok:
+            if chain and (mk["f>" + u][0] < mk["f<" + chain[-1]][0] or mk["b>" + u][0] > mk["b>" + chain[-1]][0]):
+                continue
+            chain.append(u)
+        self.units = tuple(chain)
+
+    def costs(self, batch_size: int) -> tuple[float, ...]:
+        """Recompute cost of each block: its measured forward time (ms) at this batch size."""
+        return self._timing(batch_size)[0]
+
+    def step_ms(self, batch_size: int) -> float:
+        return self._timing(batch_size)[1]
+
+    def _timing(self, batch_size: int) -> tuple[tuple[float, ...], float]:
+        if batch_size not in self._costs:
+            t = self.runner.time_step(batch_size, repeats=3)
+            costs = tuple(max(t.forward_ms.get(u, 0.0), 1e-6) for u in self.units)
+            self._costs[batch_size] = (costs, t.step_ms)
+        return self._costs[batch_size]
+
+    def terms(self, batch_size: int) -> Terms:
+        if batch_size not in self._terms:
+            self.progress(f"probing batch {batch_size} (4 recorded steps)")
+            cuts = []
+            static = 0
+            for choice in probe_configs(len(self.units)).values():
+                names = [u for u, c in zip(self.units, choice) if c]
+                m = self.runner.measure(batch_size, checkpoint=names, units=self.units)
+                self.runs += 1
+                tl = m.timeline
+                cut = cut_run(tl.live_at, tl.max_between, tl.markers, self.units, choice)
+                cuts.append(cut)
+                static = m.static_bytes
+            self._terms[batch_size] = combine(cuts, self.units, static, batch_size)
+        return self._terms[batch_size]
+
+    def fitted(self, batch_size: int, b1: int, b2: int) -> Terms:
+        if batch_size in self._terms:
+            return self._terms[batch_size]
+        return self.terms(b1).interpolate(self.terms(b2), batch_size)
+
+    def verify(self, batch_size: int, names: tuple[str, ...]) -> int:
+        self.progress(f"verifying batch {batch_size} with {len(names)} checkpointed blocks")
+        m = self.runner.measure(batch_size, checkpoint=list(names))
+        self.runs += 1
+        return m.peak_bytes
+
+    # -- the search -------------------------------------------------------------------------
+    def largest_fitting(self, budget: int, b1: int, b2: int) -> int:
+        """Largest batch whose min-peak plan fits, on terms fitted from b1 and b2 (0 if none)."""
+        costs = self.costs(b1)
+
+        def fits(b: int) -> bool:
+            return min_peak(self.fitted(b, b1, b2), costs).peak <= budget
+
+        if not fits(1):
+            return 0
+        lo, hi = 1, 2
+        while hi <= MAX_BATCH and fits(hi):
+            lo, hi = hi, hi * 2
+        hi = min(hi, MAX_BATCH + 1)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+    def _may_fit(self, b: int, budget: int, b1: int, b2: int) -> bool:
+        """False when the fitted terms put b more than SKIP_MARGIN over budget: no need to probe it."""
+        if b in self._terms:
+            return True
+        return min_peak(self.fitted(b, b1, b2), self.costs(b1)).peak <= budget * (1 + SKIP_MARGIN)
+
+    def feasible_at(self, b: int, budget: int) -> Solution | None:
+        return solve(self.terms(b), self.costs(b), budget)
+
+    def search(self, budget: int, batch_size: int | None = None, b1: int = 1, b2: int = 4) -> SearchResult:
+        self.order_units(b1)
+        if batch_size is None:
+            guess = self.largest_fitting(budget, b1, b2)
+            if guess == 0:
+                raise self._no_fit(budget, 1)
+            b = guess
+            # the final answer rests on terms measured at b itself (and b+1 shown not to fit)
+            while b > 1 and self.feasible_at(b, budget) is None:
+                b -= 1
+            while b < MAX_BATCH and self._may_fit(b + 1, budget, b1, b2) and self.feasible_at(b + 1, budget) is not None:
+                b += 1
+        else:
+            b = batch_size
+        room = budget
+        for _ in range(6):
+            sol = solve(self.terms(b), self.costs(b), room)
+            if sol is None:
+                if batch_size is None and b > 1:
+                    b -= 1
+                    room = budget
+                    continue
+                raise self._no_fit(budget, b)
+            names = sol.names(self.units)
+            verified = self.verify(b, names)
+            if verified <= budget:
+                return self._result(b, sol, verified, budget)
+            room -= verified - budget  # the model was optimistic here: tighten and re-solve
+        raise self._no_fit(budget, b)
+
+    def _result(self, b: int, sol: Solution, verified: int, budget: int) -> SearchResult:
+        costs, step = self.costs(b), self.step_ms(b)
+        res = SearchResult(
+            batch_size=b,
+            checkpoint=sol.names(self.units),
+            predicted_peak=sol.peak,
+            verified_peak=verified,
+            recompute_fraction=round(sol.cost / step, 4),
+            budget=budget,
+            units=self.units,
+            step_ms=step,
+        )
+        n = len(self.units)
+        t = self.terms(b)
+        for label, choice in (("no checkpointing", (0,) * n), ("every block", (1,) * n)):
+            peak = t.measured.get(choice, predict(t, choice))
+            cost = sum(c for c, x in zip(costs, choice) if x)
+            res.baselines[label] = FrontierRow(b, tuple(u for u, x in zip(self.units, choice) if x), peak, round(cost / step, 4), peak <= budget)
+        res.probes = self.runs
+        return res
+
+    def frontier(self, budget: int, batch_sizes: list[int], b1: int, b2: int, timed_at: int) -> list[FrontierRow]:
+        """Best plan per batch size on fitted terms; recompute as a fraction of the step timed at `timed_at`."""
+        costs, step = self.costs(timed_at), self.step_ms(timed_at)
+        rows = []
+        for b in batch_sizes:
+            t = self.fitted(b, b1, b2)
+            sol = solve(t, costs, budget)
+            if sol is None:
+                mp = min_peak(t, costs)
+                rows.append(FrontierRow(b, mp.names(self.units), mp.peak, round(mp.cost / step, 4), False))
+            else:
+                rows.append(FrontierRow(b, sol.names(self.units), sol.peak, round(sol.cost / step, 4), True))
+        return rows
+
+    def _no_fit(self, budget: int, b: int) -> NoFitError:
+        t = self.terms(b)
+        mp = min_peak(t, self.costs(b))
+        states = t.static
+        return NoFitError(
+            f"nothing fits {format_bytes(budget)}: the smallest peak reachable at batch {b} is "
+            f"{format_bytes(mp.peak)} (checkpointing {len(mp.names(self.units))} of {len(self.units)} blocks), "
+            f"of which weights + optimizer state are {format_bytes(states)} and the step's activations and "
+            f"temporaries {format_bytes(mp.peak - states)}",
+            "raise --vram, use --precision bf16-mixed, a smaller --batch-size, or see `ckpt-tune diagnose`",
+        )
