@@ -1,0 +1,204 @@
+"""Apply a plan to a model in place: wrap the named modules with non-reentrant activation checkpointing.
+
+Only memory and time may change (DESIGN.md §5): same loss, gradients, BatchNorm running statistics and
+random stream. The wrapper replaces `forward` on the module *instance*, so module names, state_dict keys
+and hooks are untouched; the module's own hooks (FSDP's included) stay outside the checkpoint and run
+once. The patch snippet of `emit.patch_snippet` does the same with plain torch and uses the same
+attribute names, so `applied_names` and `remove` recognise modules wrapped by either.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import types
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+
+from ckpt_tune.emit import Plan, load_plan
+from ckpt_tune.errors import PlanError
+
+log = logging.getLogger(__name__)
+
+# Shared with the patch snippet (emit.py): the wrapper's function name marks a wrapped module, and a
+# forward the instance had before wrapping (e.g. one set by accelerate) is kept under this attribute.
+_WRAPPER_NAME = "_ckpt_forward"
+_INNER_ATTR = "_ckpt_inner_forward"
+# Set on the root module by `apply`: the configs whose `use_cache` it turned off, for `remove`.
+_SAVED_CACHE_ATTR = "_ckpt_tune_use_cache_off"
+
+
+@contextmanager
+def _throwaway_running_stats(module: nn.Module) -> Iterator[None]:
+    """Let every norm layer inside `module` update clones of its running statistics, then put the
+    real buffers back.
+
+    Why clones rather than `F.batch_norm(running_mean=None, ...)`: in training mode `native_batch_norm`
+    saves running_mean and running_var for backward, so a recompute without them saves two tensors
+    fewer than the original forward and non-reentrant checkpoint, which matches saved tensors by
+    position, fails ("A different number of tensors was saved"). With clones the recompute runs the
+    same kernel with the same arguments: outputs are bit-for-bit those of the first forward (training
+    mode normalises with batch statistics; eval mode reads running stats the forward did not change).
+    Covers BatchNorm*d, SyncBatchNorm, LazyBatchNorm and InstanceNorm with track_running_stats.
+    """
+    kept = [
+        (m, name, buf)
+        for m in module.modules()
+        if isinstance(m, _NormBase)
+        for name, buf in m._buffers.items()
+        if buf is not None
+    ]
+    for m, name, buf in kept:
+        m._buffers[name] = buf.clone()
+    try:
+        yield
+    finally:
+        for m, name, buf in kept:
+            m._buffers[name] = buf
+
+
+def _inner_forward(module: nn.Module):
+    inner = module.__dict__.get(_INNER_ATTR)
+    return inner if inner is not None else types.MethodType(type(module).forward, module)
+
+
+def _ckpt_forward(self: nn.Module, *args, **kwargs):
+    """The instance-level forward of a wrapped module (bound with MethodType, so deepcopy binds the copy)."""
+    inner = _inner_forward(self)
+    if not (self.training and torch.is_grad_enabled()):
+        return inner(*args, **kwargs)
+    calls = 0
+
+    def run(*a):
+        # checkpoint calls this once in forward and again for each recompute in backward.
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return inner(*a, **kwargs)
+        with _throwaway_running_stats(self):
+            return inner(*a, **kwargs)
+
+    # kwargs reach `run` by closure, not through checkpoint(), so a module keyword named like one of
+    # checkpoint's own (debug, context_fn, determinism_check) cannot collide.
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
+
+
+def _is_wrapped(module: nn.Module) -> bool:
+    own = module.__dict__.get("forward")
+    return getattr(own, "__name__", None) == _WRAPPER_NAME
+
+
+def applied_names(model: nn.Module) -> tuple[str, ...]:
+    """Names of the modules of `model` that are wrapped (by `apply` or by the patch snippet), in order."""
+    return tuple(name for name, m in model.named_modules() if _is_wrapped(m))
+
+
+def _names_from(plan_or_path: Plan | str | Path | dict | Sequence[str]) -> tuple[str, ...]:
+    if isinstance(plan_or_path, (Plan, str, Path, dict)):
+        return load_plan(plan_or_path).checkpoint
+    if isinstance(plan_or_path, Sequence) and all(isinstance(n, str) for n in plan_or_path):
+        return tuple(plan_or_path)
+    raise PlanError(
+        f"cannot apply {type(plan_or_path).__name__}: expected a Plan, a plan file path, a mapping or a list "
+        "of module names",
+        hint='e.g. ckpt_tune.apply(model, "plan.yaml") or ckpt_tune.apply(model, ["blocks.0", "blocks.2"])',
+    )
+
+
+def _resolve(model: nn.Module, names: Sequence[str]) -> dict[str, nn.Module]:
+    """name -> module, refusing the root, unknown names and a module listed with one of its ancestors."""
+    if "" in names:
+        raise PlanError(
+            "the plan names the root module '' (the whole model)",
+            hint="checkpoint submodules such as the repeated blocks; checkpointing the whole model saves nothing",
+        )
+    found: dict[str, nn.Module] = {}
+    missing: list[str] = []
+    for name in names:
+        try:
+            found[name] = model.get_submodule(name)
+        except AttributeError:
+            missing.append(name)
+    if missing:
+        known = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
+        close: list[str] = []
+        for name in missing:
+            close += [c for c in difflib.get_close_matches(name, known, n=5, cutoff=0.6) if c not in close]
+        shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise PlanError(
+            f"the model has no module named {shown} ({len(known)} named modules)",
+            hint=(f"close matches: {', '.join(close[:5])}" if close else "no close matches")
+            + "; was the plan made for this model? names come from model.named_modules()",
+        )
+    # Already-wrapped modules count too: wrapping an ancestor of one later would nest checkpoints.
+    listed = dict(found)
+    for name in applied_names(model):
+        listed.setdefault(name, model.get_submodule(name))
+    by_id = {}
+    for name, m in listed.items():
+        by_id.setdefault(id(m), name)
+    for name, m in listed.items():
+        for sub in m.modules():
+            other = by_id.get(id(sub))
+            if sub is not m and other is not None and (name in found or other in found):
+                raise PlanError(
+                    f"the plan checkpoints both {name!r} and {other!r}, which is inside it",
+                    hint=f"keep one of them: checkpointing {name!r} already recomputes {other!r}",
+                )
+    return found
+
+
+def _turn_off_use_cache(model: nn.Module) -> None:
+    """Hugging Face models: the recompute would append to the KV cache a second time, so training under
+    checkpointing needs `config.use_cache = False` (what HF's own gradient checkpointing asks for).
+    The configs changed are recorded on the root so that `remove` restores them."""
+    saved = model.__dict__.setdefault(_SAVED_CACHE_ATTR, [])
+    for m in model.modules():
+        config = getattr(m, "config", None)
+        if getattr(config, "use_cache", None) is True:
+            config.use_cache = False
+            saved.append(config)
+            log.info("set %s.config.use_cache = False for checkpointing", type(m).__name__)
+
+
+def apply(model: nn.Module, plan_or_path: Plan | str | Path | dict | Sequence[str]) -> nn.Module:
+    """Wrap the modules the plan names with non-reentrant checkpoint, in place; returns `model`.
+
+    Accepts a Plan, a plan file path, a mapping with the plan file's keys, or a list of module names.
+    Idempotent: a module already wrapped is left as it is. Raises PlanError for names the model lacks,
+    for the root module, and for a module listed together with one of its ancestors.
+    """
+    if not isinstance(model, nn.Module):
+        raise PlanError(f"apply needs an nn.Module, got {type(model).__name__}")
+    names = _names_from(plan_or_path)
+    modules = _resolve(model, names)
+    if modules:
+        _turn_off_use_cache(model)
+    for module in modules.values():
+        if _is_wrapped(module):
+            continue
+        own = module.__dict__.get("forward")
+        if own is not None:
+            setattr(module, _INNER_ATTR, own)
+        module.forward = types.MethodType(_ckpt_forward, module)
+    return model
+
+
+def remove(model: nn.Module) -> None:
+    """Undo `apply` (or the patch snippet): restore every wrapped module's original forward, and the
+    `use_cache` settings `apply` turned off."""
+    for module in model.modules():
+        if not _is_wrapped(module):
+            continue
+        inner = module.__dict__.pop(_INNER_ATTR, None)
+        del module.__dict__["forward"]
+        if inner is not None:
+            module.forward = inner
+    for config in model.__dict__.pop(_SAVED_CACHE_ATTR, []):
+        config.use_cache = True
