@@ -46,6 +46,8 @@ def _throwaway_running_stats(module: nn.Module) -> Iterator[None]:
     same kernel with the same arguments: outputs are bit-for-bit those of the first forward (training
     mode normalises with batch statistics; eval mode reads running stats the forward did not change).
     Covers BatchNorm*d, SyncBatchNorm, LazyBatchNorm and InstanceNorm with track_running_stats.
+    The swap is visible to other threads for the length of the recompute; autograd runs it while the
+    caller is blocked in backward(), so only a second thread running the same modules would see it.
     """
     kept = [
         (m, name, buf)
@@ -151,7 +153,27 @@ def _resolve(model: nn.Module, names: Sequence[str]) -> dict[str, nn.Module]:
                     f"the plan checkpoints both {name!r} and {other!r}, which is inside it",
                     hint=f"keep one of them: checkpointing {name!r} already recomputes {other!r}",
                 )
+    _refuse_hf_checkpointing_overlap(model, found)
     return found
+
+
+def _refuse_hf_checkpointing_overlap(model: nn.Module, found: dict[str, nn.Module]) -> None:
+    """A planned module that contains, or sits inside, a Hugging Face layer whose own checkpointing is
+    on would be checkpointed twice over: measured peaks and recompute times would not be the plan's."""
+    hf_on = [
+        name
+        for name, m in model.named_modules()
+        if getattr(m, "gradient_checkpointing", None) is True
+        and any(cls.__name__ == "GradientCheckpointingLayer" for cls in type(m).__mro__)
+    ]
+    for name in found:
+        for layer in hf_on:
+            if layer == name or layer.startswith(name + ".") or name.startswith(layer + "."):
+                raise PlanError(
+                    f"Hugging Face gradient checkpointing is already on for {layer!r}, "
+                    f"so checkpointing {name!r} as well would recompute it twice",
+                    hint="call model.gradient_checkpointing_disable() before applying the plan",
+                )
 
 
 def _turn_off_use_cache(model: nn.Module) -> None:
@@ -172,7 +194,9 @@ def apply(model: nn.Module, plan_or_path: Plan | str | Path | dict | Sequence[st
 
     Accepts a Plan, a plan file path, a mapping with the plan file's keys, or a list of module names.
     Idempotent: a module already wrapped is left as it is. Raises PlanError for names the model lacks,
-    for the root module, and for a module listed together with one of its ancestors.
+    for the root module, for a module listed together with one of its ancestors, and for modules that
+    Hugging Face's own checkpointing already covers. Hugging Face models get `config.use_cache = False`
+    (a KV cache would be filled again by the recompute); `remove` restores it.
     """
     if not isinstance(model, nn.Module):
         raise PlanError(f"apply needs an nn.Module, got {type(model).__name__}")

@@ -513,6 +513,16 @@ def test_gpt2_use_cache_is_turned_off_and_restored() -> None:
     assert model.config.use_cache is True
 
 
+def test_refuses_layers_hugging_face_already_checkpoints() -> None:
+    model, _ = make_gpt2()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with pytest.raises(PlanError, match=r"already on for 'transformer\.h\.0'"):
+        apply(model, ["transformer.h.0.mlp"])
+    model.gradient_checkpointing_disable()
+    apply(model, ["transformer.h.0.mlp"])
+    assert applied_names(model) == ("transformer.h.0.mlp",)
+
+
 # ---------------------------------------------------------------------------------------------------
 # The patch snippet does what apply does
 
