@@ -112,8 +112,9 @@ class StepRunner:
         m = self.model
         self._snapshot = {
             "modes": {mod: mod.training for mod in m.modules()},
-            "buffers": [(b, b.detach().clone()) for b in m.buffers()],
-            "data": [(t, t.data) for t in [*m.parameters(), *m.buffers()]],
+            # buffers by slot: a dtype change replaces the tensor object in the module's _buffers
+            "buffers": [(mod, k, b, b.detach().clone()) for mod in m.modules() for k, b in mod._buffers.items() if b is not None],
+            "data": [(p, p.data) for p in m.parameters()],
             "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "grads": [(p, p.grad) for p in m.parameters()],
@@ -135,7 +136,8 @@ class StepRunner:
         for t, data in snap["data"]:
             t.data = data
         with torch.no_grad():
-            for b, saved in snap["buffers"]:
+            for mod, k, b, saved in snap["buffers"]:
+                mod._buffers[k] = b
                 b.copy_(saved)
         for mod, training in snap["modes"].items():
             mod.training = training
@@ -161,6 +163,8 @@ class StepRunner:
         self._zero_grad()
         mark("iter")
         batch = self.batch_fn(batch_size)
+        if self.settings.precision == "bf16":
+            batch = _cast_floating(batch, torch.bfloat16)
         mark("batch")
         with self._autocast():
             loss = self.loss_fn(self.model, batch)
@@ -293,6 +297,17 @@ class Timing:
     checkpoint: tuple[str, ...]
     step_ms: float
     forward_ms: dict[str, float]  # module name -> inclusive forward time (ms), fastest of the repeats
+
+
+def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
+    """Pure-bf16 training feeds bf16 inputs: cast every floating tensor of the batch."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, dict):
+        return type(obj)((k, _cast_floating(v, dtype)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_cast_floating(v, dtype) for v in obj)
+    return obj
 
 
 def _apply():

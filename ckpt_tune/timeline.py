@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import gc
 import os
 import sys
 from collections.abc import Iterator
@@ -121,6 +122,12 @@ class Recorder:
         self._prof: torch.profiler.profile | None = None
 
     def __enter__(self) -> Recorder:
+        # Garbage from earlier work (reference cycles: models, closures) must not be collected while
+        # recording: the profiler reports frees of blocks it saw in an earlier session, which would
+        # read as this iteration releasing memory it never held.
+        gc.collect()
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device_type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -133,6 +140,8 @@ class Recorder:
         assert self._prof is not None
         with _quiet_stderr():
             self._prof.__exit__(*exc)
+        if self._gc_was_enabled:
+            gc.enable()
         if exc[0] is None:
             self.timeline = self._build(self._prof)
 
@@ -152,10 +161,17 @@ class Recorder:
         rows.sort(key=lambda r: (r[0], r[1]))
         tl = Timeline()
         live = 0
+        born: set[int] = set()  # blocks allocated while recording
         for t, _seq, d, p, name in rows:
             if name:
                 tl.markers.setdefault(name[len(self.prefix):], []).append(t)
                 continue
+            if d > 0:
+                born.add(p)
+            elif p not in born:
+                continue  # a block from before recording (see __enter__): not part of this iteration
+            else:
+                born.discard(p)
             live += d
             tl.times.append(t)
             tl.deltas.append(d)

@@ -1,0 +1,76 @@
+"""Ground truth for tests: an independent measurement of one training iteration's peak on CPU.
+
+It shares no code with ckpt_tune's runner: the profiler is started before the warm-up iteration, so
+every allocation and free after the model was built (gradients, optimizer state, the batch, activations)
+is seen, and the measured iteration's peak is the bytes allocated before profiling (parameters and
+buffers) plus the largest running sum of allocator events inside that iteration (DESIGN.md §3).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+import torch.utils.checkpoint as cp
+from torch.profiler import ProfilerActivity, profile, record_function
+
+MARK = "harness::measured"
+
+
+def _wrap(model, names):
+    """A plain non-reentrant checkpoint wrapper, independent of ckpt_tune.apply."""
+    for name in names:
+        mod = model.get_submodule(name)
+        inner = mod.forward
+
+        def fwd(*args, _inner=inner, **kwargs):
+            return cp.checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        mod.forward = fwd
+
+
+def measured_peak(build, make_batch, loss_fn, batch_size: int, checkpoint=(), optimizer: str = "adamw") -> int:
+    """Peak live bytes of the second training iteration of a freshly built model (steady state)."""
+    model = build()
+    model.train()
+    if checkpoint:
+        _wrap(model, checkpoint)
+    params = [p for p in model.parameters() if p.requires_grad]
+    before = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()]}
+    gc.collect()  # earlier tests' garbage must not be freed (and reported) while profiling
+    gc.disable()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            opt = {
+                "adamw": lambda: torch.optim.AdamW(params, lr=1e-3),
+                "adam": lambda: torch.optim.Adam(params, lr=1e-3),
+                "sgd": lambda: torch.optim.SGD(params, lr=1e-3),
+                "sgd-momentum": lambda: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
+                "none": lambda: None,
+            }[optimizer]()
+            for i in range(2):
+                if i == 1:
+                    with record_function(MARK):
+                        pass
+                for p in params:
+                    p.grad = None
+                batch = make_batch(batch_size)
+                loss = loss_fn(model, batch)
+                loss.backward()
+                if opt is not None:
+                    opt.step()
+                del loss, batch
+    finally:
+        gc.enable()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() in ("[memory]", MARK)]
+    events.sort(key=lambda e: e.start_ns())
+    live, peak, started = 0, 0, False
+    for e in events:
+        if e.name() == MARK:
+            started, peak = True, live
+            continue
+        if e.device_type() == torch.autograd.DeviceType.CPU:
+            live += e.nbytes()
+        if started:
+            peak = max(peak, live)
+    return sum(before.values()) + peak

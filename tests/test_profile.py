@@ -1,0 +1,105 @@
+"""The profiler against allocator ground truth (tests/harness.py), and its promise to leave models alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ckpt_tune.profiler import profile_model
+from ckpt_tune.runner import StepRunner, StepSettings
+from tests.fixtures.models import LINEAR_WIDTH, ZOO
+from tests.harness import measured_peak
+
+FP32 = 4
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_peak_matches_allocator_ground_truth(name):
+    fx = ZOO[name]
+    truth = measured_peak(fx.build, fx.make_batch, fx.loss_fn, 8)
+    prof = profile_model(fx.build(), fx.make_batch, fx.loss_fn, 8, scaling=False)
+    assert prof.peak_bytes == truth, f"{name}: profiled {prof.peak_bytes} vs allocator {truth}"
+
+
+@pytest.mark.parametrize("name", ["mlp_blocks", "cnn_bn", "vit_dropout", "dict_batch"])
+def test_modules_and_unattributed_sum_to_activation_total(name):
+    fx = ZOO[name]
+    prof = profile_model(fx.build(), fx.make_batch, fx.loss_fn, 8, scaling=False)
+    own = sum(m.activation_bytes for m in prof.modules)
+    assert own + prof.unattributed_activation_bytes == prof.activation_total_bytes
+    root = next(m for m in prof.modules if m.name == "")
+    assert root.subtree_activation_bytes == own
+    assert prof.breakdown.total == prof.peak_bytes
+    assert min(vars(prof.breakdown).values()) >= 0
+
+
+def test_linear_stack_saved_bytes_by_hand():
+    fx = ZOO["linear_stack"]
+    batch = 8
+    prof = profile_model(fx.build(), fx.make_batch, fx.loss_fn, batch, scaling=False)
+    layers = [m for m in prof.modules if m.type == "Linear"]
+    # each bias-free Linear saves its input (batch x W fp32 values) for its weight's gradient
+    for m in layers:
+        assert m.activation_bytes == batch * LINEAR_WIDTH * FP32, m
+    assert sum(m.activation_bytes for m in layers) == batch * LINEAR_WIDTH * FP32 * len(layers)
+    assert prof.param_bytes == len(layers) * LINEAR_WIDTH * LINEAR_WIDTH * FP32
+    assert prof.optimizer_bytes == 2 * prof.param_bytes + len(layers) * FP32  # exp_avg, exp_avg_sq, step
+
+
+def test_scaling_is_fixed_plus_per_sample():
+    fx = ZOO["mlp_blocks"]
+    prof = profile_model(fx.build(), fx.make_batch, fx.loss_fn, 8)
+    s = prof.scaling
+    assert s is not None and s.batch_sizes == (4, 8)
+    truth4 = measured_peak(fx.build, fx.make_batch, fx.loss_fn, 4)
+    assert s.peaks == (truth4, prof.peak_bytes)
+    assert s.predict(8) == prof.peak_bytes
+    assert s.per_sample_bytes * 4 == prof.peak_bytes - truth4
+    assert s.fixed_bytes > prof.param_bytes  # at least the weights, gradients and optimizer state
+
+
+def _state(model):
+    return (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        {m: m.training for m in model.modules()},
+    )
+
+
+@pytest.mark.parametrize("name", ["cnn_bn", "vit_dropout", "frozen_adapter"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-mixed"])
+def test_profiling_leaves_the_model_unchanged(name, precision):
+    fx = ZOO[name]
+    model = fx.build()
+    model.eval()
+    model.get_submodule(next(n for n, _ in model.named_children())).train()
+    before, modes = _state(model)
+    dtypes = {k: v.dtype for k, v in model.state_dict().items()}
+    torch.manual_seed(123)
+    rng = torch.get_rng_state()
+    profile_model(model, fx.make_batch, fx.loss_fn, 4, settings=StepSettings(precision=precision))
+    after, modes_after = _state(model)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert modes_after == modes
+    for k in before:
+        assert after[k].dtype == dtypes[k]
+        assert torch.equal(after[k], before[k]), k
+    for m in model.modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks
+    assert all(p.grad is None for p in model.parameters())
+    assert all(getattr(p, "_post_accumulate_grad_hooks", None) in (None, {}) for p in model.parameters())
+
+
+def test_runner_is_deterministic():
+    fx = ZOO["vit_dropout"]
+    with StepRunner(fx.build(), fx.make_batch, fx.loss_fn) as r:
+        peaks = {r.measure(4).peak_bytes for _ in range(3)}
+    assert len(peaks) == 1
+
+
+@pytest.mark.parametrize("optimizer,states", [("sgd", 0), ("sgd-momentum", 1), ("adam", 2), ("none", 0)])
+def test_optimizer_state_bytes(optimizer, states):
+    fx = ZOO["linear_stack"]
+    prof = profile_model(fx.build(), fx.make_batch, fx.loss_fn, 4, settings=StepSettings(optimizer=optimizer), scaling=False)
+    step = 4 * 4 if optimizer == "adam" else 0  # one fp32 step counter per parameter tensor
+    assert prof.optimizer_bytes == states * prof.param_bytes + step
+    assert prof.peak_bytes == measured_peak(fx.build, fx.make_batch, fx.loss_fn, 4, optimizer=optimizer)
