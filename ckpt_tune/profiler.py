@@ -83,11 +83,34 @@ class StepProfile:
     step_ms: float
     cuda_reserved_bytes: int | None = None
     device_total_bytes: int | None = None
+    # live bytes over the iteration: (ms since the iteration started, bytes), at most ~2000 points with
+    # every local extreme kept, and the phase boundaries (make_batch, forward+loss, backward, step) in ms
+    timeline: tuple[tuple[float, int], ...] = ()
+    phases: dict[str, float] | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, with_timeline: bool = False) -> dict[str, Any]:
         d = asdict(self)
         d["breakdown"] = asdict(self.breakdown)
+        if not with_timeline:
+            d.pop("timeline")
+            d.pop("phases")
         return d
+
+
+def timeline_points(m: Measurement, max_points: int = 2000) -> tuple[tuple[tuple[float, int], ...], dict[str, float]]:
+    """The live-byte curve of a measurement in ms from the iteration's start, thinned but peak-preserving."""
+    tl = m.timeline
+    t0 = tl.marker("iter")
+    pts = [(t, m.static_bytes + v) for t, v in zip(tl.times, tl.live) if t >= t0]
+    if len(pts) > max_points:
+        step = len(pts) / max_points
+        kept = []
+        for k in range(max_points):
+            chunk = pts[int(k * step): int((k + 1) * step)] or pts[-1:]
+            kept.append(max(chunk, key=lambda p: p[1]))
+        pts = kept
+    phases = {k: (tl.marker(k) - t0) / 1e6 for k in ("iter", "batch", "loss", "backward", "step")}
+    return tuple(((t - t0) / 1e6, v) for t, v in pts), phases
 
 
 def profile_model(
@@ -224,6 +247,7 @@ def build_profile(
     )
     unattributed = sum(n for n, owner in m.saved.values() if owner is None)
     total = sum(n for n, _ in m.saved.values())
+    points, phases = timeline_points(m)
     cuda = torch.device(settings.device).type == "cuda"
     total_mem = torch.cuda.mem_get_info()[1] if cuda else None
     return StepProfile(
@@ -247,4 +271,6 @@ def build_profile(
         step_ms=round(timing.step_ms, 3),
         cuda_reserved_bytes=m.reserved_bytes,
         device_total_bytes=total_mem,
+        timeline=points,
+        phases=phases,
     )
