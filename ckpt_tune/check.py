@@ -352,6 +352,12 @@ def limit_for(baseline_bytes: int, tolerance: float) -> int:
     return baseline_bytes + math.floor(baseline_bytes * Fraction(tolerance).limit_denominator(10**6))
 
 
+def _same_target(a: str, b: str) -> bool:
+    """Same function in a file of the same name: a checkout elsewhere, or a relative path, is no change."""
+    (fa, _, na), (fb, _, nb) = a.rpartition(":"), b.rpartition(":")
+    return na == nb and Path(fa).name == Path(fb).name
+
+
 def _row(name: str, before: int | None, after: int | None) -> DiffRow:
     delta = (after or 0) - (before or 0)
     if before is None:
@@ -428,7 +434,7 @@ def compare(
             f"the baseline was measured with torch {baseline.torch_version}, this run with "
             f"{profile.torch_version}: a change may come from torch, not from the model"
         )
-    if profile.target != baseline.target:
+    if not _same_target(profile.target, baseline.target):
         warnings.append(f"the baseline was measured for {baseline.target}, this run for {profile.target}")
     return CheckResult(
         status=status,

@@ -618,3 +618,22 @@ def test_import_ckpt_tune_stays_light():
         cwd=Path(__file__).resolve().parents[1],
     )
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.slow
+def test_pytest_example_records_then_passes(tmp_path):
+    """examples/ci/test_memory.py, as documented: the first run records and fails, the second passes."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "ci" / "test_memory.py"
+    (tmp_path / "test_memory.py").write_text(example.read_text())
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "mlp", "test_memory.py"]
+
+    def pytest_run() -> subprocess.CompletedProcess:
+        return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
+
+    first = pytest_run()
+    assert first.returncode == 1, first.stdout
+    assert "recorded one now" in first.stdout
+    assert (tmp_path / "baselines" / "mlp.yaml").exists()
+    second = pytest_run()
+    assert second.returncode == 0, second.stdout
+    assert "1 passed" in second.stdout
