@@ -12,15 +12,15 @@ import os
 # started, which is expected here and says nothing to the user.
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-import json  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Annotated, Optional  # noqa: E402
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
 
-import typer  # noqa: E402
+import typer
 
-from ckpt_tune.errors import CkptTuneError  # noqa: E402
+from ckpt_tune.errors import CkptTuneError
 
 app = typer.Typer(
     add_completion=False,
@@ -31,13 +31,13 @@ app = typer.Typer(
 
 _state = {"debug": False}
 
-TargetArg = Annotated[Optional[str], typer.Argument(help="path/to/file.py:fn or package.module:fn; fn() returns the model")]
-Device = Annotated[Optional[str], typer.Option(help="cpu | cuda | cuda:N | meta (default: cuda if available, else cpu)")]
+TargetArg = Annotated[str | None, typer.Argument(help="path/to/file.py:fn or package.module:fn; fn() returns the model")]
+Device = Annotated[str | None, typer.Option(help="cpu | cuda | cuda:N | meta (default: cuda if available, else cpu)")]
 Precision = Annotated[str, typer.Option(help="fp32 | bf16-mixed | fp16-mixed | bf16")]
 Optim = Annotated[str, typer.Option("--optimizer", help="adamw | adam | sgd | sgd-momentum | none")]
-BatchFn = Annotated[Optional[str], typer.Option("--batch-fn", help="make_batch override, file.py:fn")]
-LossFn = Annotated[Optional[str], typer.Option("--loss-fn", help="loss_fn override, file.py:fn")]
-HfConfig = Annotated[Optional[str], typer.Option("--hf-config", help="build a Hugging Face causal LM from this config.json")]
+BatchFn = Annotated[str | None, typer.Option("--batch-fn", help="make_batch override, file.py:fn")]
+LossFn = Annotated[str | None, typer.Option("--loss-fn", help="loss_fn override, file.py:fn")]
+HfConfig = Annotated[str | None, typer.Option("--hf-config", help="build a Hugging Face causal LM from this config.json")]
 SeqLen = Annotated[int, typer.Option("--seq-len", help="sequence length of the --hf-config batch")]
 Attn = Annotated[str, typer.Option("--attn", help="attention kernel for --hf-config: sdpa | eager | flash")]
 Json = Annotated[bool, typer.Option("--json", help="print the result as JSON on stdout")]
@@ -71,9 +71,9 @@ def profile(
     seq_len: SeqLen = 512,
     attn: Attn = "sdpa",
     top: Annotated[int, typer.Option(help="rows in the module table")] = 15,
-    depth: Annotated[Optional[int], typer.Option(help="show subtrees down to this depth instead of own bytes")] = None,
+    depth: Annotated[int | None, typer.Option(help="show subtrees down to this depth instead of own bytes")] = None,
     as_json: Json = False,
-    save: Annotated[Optional[Path], typer.Option("--save", help="write the profile as YAML")] = None,
+    save: Annotated[Path | None, typer.Option("--save", help="write the profile as YAML")] = None,
 ) -> None:
     """Per-module activation memory and the whole-step breakdown of one training iteration."""
     from ckpt_tune import api, report
@@ -96,19 +96,19 @@ def profile(
 def search(
     target: TargetArg = None,
     vram: Annotated[str, typer.Option(help="budget: 24GB (read as GiB), 24GiB, 24000MiB, bytes, or auto")] = "auto",
-    batch_size: Annotated[Optional[int], typer.Option("--batch-size", "-b", min=1, help="fix the micro-batch; find the cheapest plan")] = None,
-    target_batch: Annotated[Optional[int], typer.Option("--target-batch", min=1, help="wanted effective batch: micro-batch × accumulation")] = None,
+    batch_size: Annotated[int | None, typer.Option("--batch-size", "-b", min=1, help="fix the micro-batch; find the cheapest plan")] = None,
+    target_batch: Annotated[int | None, typer.Option("--target-batch", min=1, help="wanted effective batch: micro-batch × accumulation")] = None,
     device: Device = None,
     precision: Precision = "fp32",
     optimizer: Optim = "adamw",
-    margin: Annotated[Optional[str], typer.Option(help="held back from the budget: 5% or 512MiB (default 5% on cuda, 0 on cpu)")] = None,
+    margin: Annotated[str | None, typer.Option(help="held back from the budget: 5% or 512MiB (default 5% on cuda, 0 on cpu)")] = None,
     batch_fn: BatchFn = None,
     loss_fn: LossFn = None,
     hf_config: HfConfig = None,
     seq_len: SeqLen = 512,
     attn: Attn = "sdpa",
-    out: Annotated[Optional[Path], typer.Option("--out", help="write the plan YAML here")] = None,
-    patch: Annotated[Optional[Path], typer.Option("--patch", help="write the patch snippet here")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="write the plan YAML here")] = None,
+    patch: Annotated[Path | None, typer.Option("--patch", help="write the patch snippet here")] = None,
     as_json: Json = False,
 ) -> None:
     """The largest batch that fits VRAM and the cheapest verified checkpoint plan that reaches it."""
@@ -147,8 +147,9 @@ def search(
 
 
 def main() -> None:
+    """Entry point: click handles usage errors (exit 2); our error family becomes one line and its code."""
     try:
-        app(standalone_mode=False)
+        app()
     except CkptTuneError as e:
         if _state["debug"]:
             raise
@@ -156,18 +157,6 @@ def main() -> None:
 
         report.error(e.message, e.hint)
         sys.exit(e.exit_code)
-    except typer.Exit as e:
-        sys.exit(e.exit_code)
-    except typer.Abort:
-        sys.exit(1)
-    except Exception as e:  # click usage errors carry exit code 2
-        import click
-
-        if isinstance(e, click.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        raise
-    sys.exit(0)
 
 
 if __name__ == "__main__":

@@ -57,10 +57,10 @@ class Terms:
             return -((-num) // (b2 - b1))  # ceiling division
 
         def tup(a, b):
-            return tuple(lin(x, y) for x, y in zip(a, b))
+            return tuple(lin(x, y) for x, y in zip(a, b, strict=False))
 
         blocks = tuple(
-            BlockTerms(tup(p.d, q.d), tup(p.F, q.F), tup(p.B, q.B)) for p, q in zip(self.blocks, other.blocks)
+            BlockTerms(tup(p.d, q.d), tup(p.F, q.F), tup(p.B, q.B)) for p, q in zip(self.blocks, other.blocks, strict=False)
         )
         return Terms(batch_size, self.units, self.static, lin(self.base, other.base), lin(self.fixed, other.fixed), blocks)
 

@@ -26,12 +26,12 @@ class Solution:
     peak: int  # predicted peak bytes
 
     def names(self, units: tuple[str, ...]) -> tuple[str, ...]:
-        return tuple(u for u, c in zip(units, self.choice) if c)
+        return tuple(u for u, c in zip(units, self.choice, strict=False) if c)
 
 
 def solve(terms: Terms, costs: tuple[float, ...], budget: int) -> Solution | None:
     """Least-cost choice with predict(terms, choice) ≤ budget, or None when no choice fits."""
-    n = len(terms.blocks)
+    len(terms.blocks)
     room = budget - terms.static - terms.base
     if terms.fixed - terms.base > room:
         return None
@@ -103,7 +103,7 @@ def brute_force(terms: Terms, costs: tuple[float, ...], budget: int) -> Solution
         peak = predict(terms, choice)
         if peak > budget:
             continue
-        cost = sum(c for c, x in zip(costs, choice) if x)
+        cost = sum(c for c, x in zip(costs, choice, strict=False) if x)
         if best is None or (cost, peak) < (best.cost, best.peak):
             best = Solution(choice, cost, peak)
     return best

@@ -9,6 +9,7 @@ into a fixed part and a per-sample part. A timing pass without the profiler give
 from __future__ import annotations
 
 import bisect
+import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -94,14 +95,14 @@ class StepProfile:
         if not with_timeline:
             d.pop("timeline")
             d.pop("phases")
-        return d
+        return json.loads(json.dumps(d))  # plain lists, dicts, str, int, float: safe for YAML and JSON
 
 
 def timeline_points(m: Measurement, max_points: int = 2000) -> tuple[tuple[tuple[float, int], ...], dict[str, float]]:
     """The live-byte curve of a measurement in ms from the iteration's start, thinned but peak-preserving."""
     tl = m.timeline
     t0 = tl.marker("iter")
-    pts = [(t, m.static_bytes + v) for t, v in zip(tl.times, tl.live) if t >= t0]
+    pts = [(t, m.static_bytes + v) for t, v in zip(tl.times, tl.live, strict=False) if t >= t0]
     if len(pts) > max_points:
         step = len(pts) / max_points
         kept = []
@@ -222,7 +223,7 @@ def _innermost_forward(mk: dict[str, list[int]], t: int) -> str:
             continue
         name = key[2:]
         ends = mk.get("f<" + name, [])
-        for s, e in zip(starts, ends):
+        for s, e in zip(starts, ends, strict=False):
             d = 0 if not name else name.count(".") + 1
             if s <= t <= e and d > depth:
                 best, depth = name or "(root)", d
@@ -256,7 +257,7 @@ def build_profile(
         precision=settings.precision,
         optimizer=settings.optimizer,
         batch_size=m.batch_size,
-        torch_version=torch.__version__,
+        torch_version=str(torch.__version__),
         measured_by="torch.cuda.max_memory_allocated" if cuda else "allocator events (torch.profiler, profile_memory=True)",
         peak_bytes=m.peak_bytes,
         peak_phase=peak_phase(m),

@@ -20,11 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ckpt_tune.emit import OPTIMIZERS, PRECISIONS
 from ckpt_tune.errors import CkptTuneError, UserCodeError
 from ckpt_tune.timeline import Recorder, Timeline, mark
 
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "none")
 SEED = 0
 
 
@@ -129,7 +128,7 @@ class StepRunner:
         return self
 
     def __exit__(self, *exc) -> None:
-        snap, m = self._snapshot, self.model
+        snap, _m = self._snapshot, self.model
         self.optimizer = None
         for p, g in snap["grads"]:
             p.grad = g

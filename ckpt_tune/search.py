@@ -120,7 +120,7 @@ class Searcher:
             cuts = []
             static = 0
             for choice in probe_configs(len(self.units)).values():
-                names = [u for u, c in zip(self.units, choice) if c]
+                names = [u for u, c in zip(self.units, choice, strict=False) if c]
                 m = self.runner.measure(batch_size, checkpoint=names, units=self.units)
                 self.runs += 1
                 tl = m.timeline
@@ -215,8 +215,8 @@ class Searcher:
         t = self.terms(b)
         for label, choice in (("no checkpointing", (0,) * n), ("every block", (1,) * n)):
             peak = t.measured.get(choice, predict(t, choice))
-            cost = sum(c for c, x in zip(costs, choice) if x)
-            res.baselines[label] = FrontierRow(b, tuple(u for u, x in zip(self.units, choice) if x), peak, round(cost / step, 4), peak <= budget)
+            cost = sum(c for c, x in zip(costs, choice, strict=False) if x)
+            res.baselines[label] = FrontierRow(b, tuple(u for u, x in zip(self.units, choice, strict=False) if x), peak, round(cost / step, 4), peak <= budget)
         res.probes = self.runs
         return res
 

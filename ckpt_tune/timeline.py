@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.profiler import record_function
 
-
 PREFIX = "ck::"
 
 
@@ -90,7 +89,7 @@ class Timeline:
         open_: dict[int, tuple[int, int]] = {}
         out: list[tuple[int, int, int, int]] = []
         end = (self.times[-1] + 1) if self.times else 0
-        for t, d, p in zip(self.times, self.deltas, self.ptrs):
+        for t, d, p in zip(self.times, self.deltas, self.ptrs, strict=False):
             if d > 0:
                 open_[p] = (d, t)
             elif p in open_:

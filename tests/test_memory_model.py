@@ -62,11 +62,11 @@ def test_cut_run_on_a_hand_made_curve():
     markers = {"iter": [0], "f>a": [2], "f>b": [4], "b>b": [5.5], "b>a": [7.5], "backward": [8.5], "step": [10]}
 
     def live_at(t):
-        before = [v for tt, v in zip(times, live) if tt < t]
+        before = [v for tt, v in zip(times, live, strict=False) if tt < t]
         return before[-1] if before else 0
 
     def max_between(t0, t1):
-        vals = [v for tt, v in zip(times, live) if t0 <= tt < t1] + [live_at(t0)]
+        vals = [v for tt, v in zip(times, live, strict=False) if t0 <= tt < t1] + [live_at(t0)]
         return max(vals), None
 
     cut = cut_run(live_at, max_between, markers, ("a", "b"), (0, 0))
@@ -75,7 +75,8 @@ def test_cut_run_on_a_hand_made_curve():
     assert cut.F == (9 - 5, 12 - 7)  # block b's region runs to its backward
     assert cut.B == (11 - 5 - 0, 14 - 5 - 2)
     # outside the blocks: 5 before block a, and from the end of backward (still 11 until t=9) on
-    assert cut.fixed == 11 and cut.peak_above_static == 14
+    assert cut.fixed == 11
+    assert cut.peak_above_static == 14
 
 
 def test_find_blocks_takes_repeated_children_outermost_first():
@@ -94,7 +95,7 @@ def test_predictions_match_allocator_for_checkpoint_plans(name):
     choices = list(itertools.product((0, 1), repeat=len(s.units)))
     random.Random(0).shuffle(choices)
     for choice in choices[:5]:
-        names = [u for u, c in zip(s.units, choice) if c]
+        names = [u for u, c in zip(s.units, choice, strict=False) if c]
         truth = measured_peak(fx.build, fx.make_batch, fx.loss_fn, 8, checkpoint=names)
         pred = predict(terms, choice)
         # exact up to the BatchNorm guard's throwaway copies of running statistics (a few hundred bytes)

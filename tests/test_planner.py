@@ -35,7 +35,8 @@ def test_dp_equals_brute_force(seed):
         if bf is None:
             assert dp is None
             continue
-        assert dp is not None and abs(dp.cost - bf.cost) < 1e-9
+        assert dp is not None
+        assert abs(dp.cost - bf.cost) < 1e-9
         assert predict(t, dp.choice) == dp.peak <= budget
 
 
@@ -59,7 +60,9 @@ def test_knapsack_case_greedy_gets_wrong():
     costs = (1.0, 1.5, 0.6, 0.0)
     # stored before the last block: 31; budget 26 = 21 stored + 5 -> shed 10
     sol = solve(t, costs, 26)
-    assert sol is not None and sol.choice[:3] == (0, 1, 0) and sol.cost == 1.5
+    assert sol is not None
+    assert sol.choice[:3] == (0, 1, 0)
+    assert sol.cost == 1.5
     assert brute_force(t, costs, 26).cost == 1.5
 
 
@@ -74,4 +77,5 @@ def test_large_chain_solves_quickly_enough_to_be_interactive():
     costs = tuple(rng.uniform(0.5, 3.0) for _ in range(48))
     budget = (min_peak(t, costs).peak + predict(t, (0,) * 48)) // 2
     sol = solve(t, costs, budget)
-    assert sol is not None and predict(t, sol.choice) <= budget
+    assert sol is not None
+    assert predict(t, sol.choice) <= budget

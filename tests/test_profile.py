@@ -50,7 +50,8 @@ def test_scaling_is_fixed_plus_per_sample():
     fx = ZOO["mlp_blocks"]
     prof = profile_model(fx.build(), fx.make_batch, fx.loss_fn, 8)
     s = prof.scaling
-    assert s is not None and s.batch_sizes == (4, 8)
+    assert s is not None
+    assert s.batch_sizes == (4, 8)
     truth4 = measured_peak(fx.build, fx.make_batch, fx.loss_fn, 4)
     assert s.peaks == (truth4, prof.peak_bytes)
     assert s.predict(8) == prof.peak_bytes
@@ -84,7 +85,9 @@ def test_profiling_leaves_the_model_unchanged(name, precision):
         assert after[k].dtype == dtypes[k]
         assert torch.equal(after[k], before[k]), k
     for m in model.modules():
-        assert not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks
+        assert not m._forward_hooks
+        assert not m._forward_pre_hooks
+        assert not m._backward_hooks
     assert all(p.grad is None for p in model.parameters())
     assert all(getattr(p, "_post_accumulate_grad_hooks", None) in (None, {}) for p in model.parameters())
 
@@ -96,7 +99,7 @@ def test_runner_is_deterministic():
     assert len(peaks) == 1
 
 
-@pytest.mark.parametrize("optimizer,states", [("sgd", 0), ("sgd-momentum", 1), ("adam", 2), ("none", 0)])
+@pytest.mark.parametrize(("optimizer", "states"), [("sgd", 0), ("sgd-momentum", 1), ("adam", 2), ("none", 0)])
 def test_optimizer_state_bytes(optimizer, states):
     fx = ZOO["linear_stack"]
     prof = profile_model(fx.build(), fx.make_batch, fx.loss_fn, 4, settings=StepSettings(optimizer=optimizer), scaling=False)

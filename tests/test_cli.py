@@ -1,0 +1,117 @@
+"""The command line as a user meets it: exit codes, one-line errors without tracebacks, JSON on stdout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ckpt_tune.emit import load_plan
+from tests.fixtures.models import write_target_file
+from tests.harness import measured_peak
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES = "tests/assets/targets/cases.py"
+
+
+def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "120"}
+    return subprocess.run([sys.executable, "-m", "ckpt_tune", *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=600)
+
+
+def assert_clean_error(p: subprocess.CompletedProcess, code: int, *words: str) -> None:
+    assert p.returncode == code, p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.startswith("error: "), p.stderr
+    for w in words:
+        assert w in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize(
+    ("target", "words"),
+    [
+        ("no_colon_here", ["bad target", "file.py:fn"]),
+        ("does/not/exist.py:build", ["file not found"]),
+        ("tests/assets/targets/no_make_batch.py:build", ["make_batch", "--batch-fn"]),
+        (f"{CASES}:build_raises", ["raised"]),
+        (f"{CASES}:build_bad_forward", ["raised"]),
+        ("tests/assets/targets/build_returns_int.py:build", ["int", "nn.Module"]),
+    ],
+)
+def test_user_errors_exit_1_with_one_clear_line(target, words):
+    p = run("profile", target, "--device", "cpu", "--batch-size", "2")
+    assert_clean_error(p, 1, *words)
+
+
+def test_user_code_error_with_debug_shows_traceback():
+    p = run("--debug", "profile", f"{CASES}:build_raises", "--device", "cpu")
+    assert p.returncode != 0
+    assert "Traceback" in p.stderr
+
+
+def test_usage_error_exits_2():
+    p = run("profile", "x.py:build", "--batch-size", "zero")
+    assert p.returncode == 2
+
+
+def test_bad_budget_exits_1():
+    p = run("search", "examples/gpt.py:build", "--device", "cpu", "--vram", "lots")
+    assert_clean_error(p, 1, "lots")
+
+
+def test_profile_json_matches_allocator(tmp_path):
+    from tests.fixtures.models import ZOO
+
+    target = write_target_file(tmp_path, "mlp_blocks")
+    p = run("profile", target, "--device", "cpu", "--batch-size", "8", "--json", "--save", str(tmp_path / "p.yaml"))
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    for key in ("batch_size", "device", "peak_bytes", "breakdown", "modules"):
+        assert key in d
+    assert set(d["breakdown"]) == {"params", "grads", "optimizer", "activations", "other"}
+    assert {"name", "type", "activation_bytes", "param_bytes", "forward_ms"} <= set(d["modules"][0])
+    fx = ZOO["mlp_blocks"]
+    assert d["peak_bytes"] == measured_peak(fx.build, fx.make_batch, fx.loss_fn, 8)
+    assert yaml.safe_load((tmp_path / "p.yaml").read_text())["peak_bytes"] == d["peak_bytes"]
+    assert "Activation memory by module" in p.stderr
+    assert "peak" in p.stderr
+
+
+def test_search_writes_a_plan_that_fits_when_applied_independently(tmp_path):
+    from tests.fixtures.models import ZOO
+
+    fx = ZOO["mlp_blocks"]
+    target = write_target_file(tmp_path, "mlp_blocks")
+    every = measured_peak(fx.build, fx.make_batch, fx.loss_fn, 32, checkpoint=[f"blocks.{i}" for i in range(6)])
+    none = measured_peak(fx.build, fx.make_batch, fx.loss_fn, 32)
+    budget = (every + none) // 2
+    out, patch = tmp_path / "plan.yaml", tmp_path / "patch.py"
+    p = run("search", target, "--device", "cpu", "--vram", str(budget), "--batch-size", "32", "--out", str(out), "--patch", str(patch), "--json")
+    assert p.returncode == 0, p.stderr
+    plan = load_plan(out)
+    assert plan.batch_size == 32
+    assert plan.budget_bytes == budget
+    assert 0 < len(plan.checkpoint) < 6  # cheaper than checkpointing every block
+    truth = measured_peak(fx.build, fx.make_batch, fx.loss_fn, 32, checkpoint=list(plan.checkpoint))
+    assert truth <= budget
+    assert abs(plan.predicted_peak_bytes - truth) <= 0.03 * truth
+    compile(patch.read_text(), str(patch), "exec")
+    assert json.loads(p.stdout)["plan"]["batch_size"] == 32
+
+
+def test_search_budget_too_small_exits_3(tmp_path):
+    target = write_target_file(tmp_path, "mlp_blocks")
+    p = run("search", target, "--device", "cpu", "--vram", "1MiB")
+    assert_clean_error(p, 3, "nothing fits", "weights + optimizer state")
+
+
+def test_every_command_has_help():
+    for cmd in ("profile", "search"):
+        p = run(cmd, "--help")
+        assert p.returncode == 0
+        assert "Usage" in p.stdout
