@@ -81,12 +81,18 @@ def target(tmp_path: Path) -> str:
 
 @pytest.fixture(scope="module")
 def main():
-    """cli.main with the `check` command registered (cli.py adds it with one line; until then, here)."""
+    """cli.main with the `check` command registered (cli.py adds it with one line; until then, here,
+    and taken out again afterwards so other tests see cli.app as it is)."""
     from ckpt_tune import check_cli, cli
 
+    added = []
     if not any(getattr(c.callback, "__name__", "") == "check" for c in cli.app.registered_commands):
+        before = list(cli.app.registered_commands)
         check_cli.register(cli.app)
-    return cli.main
+        added = [c for c in cli.app.registered_commands if c not in before]
+    yield cli.main
+    for c in added:
+        cli.app.registered_commands.remove(c)
 
 
 @pytest.fixture
@@ -637,3 +643,15 @@ def test_pytest_example_records_then_passes(tmp_path):
     second = pytest_run()
     assert second.returncode == 0, second.stdout
     assert "1 passed" in second.stdout
+
+
+@pytest.mark.gpu
+def test_cuda_records_and_compares_reserved_bytes(target, tmp_path):
+    baseline = tmp_path / "memory.yaml"
+    settings = Settings(device="cuda")
+    first = ck.run_check(target, baseline, batch_size=B, settings=settings)
+    assert first.recorded.reserved_bytes is not None
+    assert first.recorded.reserved_bytes >= first.recorded.peak_bytes
+    again = ck.run_check(target, baseline, batch_size=B, settings=settings)
+    assert again.status == "pass", ck.explain(again)
+    assert again.reserved_limit_bytes == ck.limit_for(first.recorded.reserved_bytes, 0.10)
