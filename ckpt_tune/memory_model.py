@@ -18,6 +18,12 @@ output overlaps with it). Four runs (none, all, even, odd checkpointed) observe 
 pairs of every block, so the model is exact wherever block terms are additive like this. Terms are
 linear in batch size; `Terms.interpolate` fits them from two batch sizes.
 
+Finer options (checkpoint only a block's `attn` or `mlp`) are options 2, 3, … of every block. One more
+run per option (every block takes it) observes the pair (option, option); the other pairs assume what
+holds for sub-module checkpointing: the block still keeps its own input and output as when stored
+normally, so its predecessor interacts with it as with option 0 (see `combine`). Verification by
+running the plan (search.py) guards that assumption.
+
 Everything here is pure: no device, no model.
 """
 
@@ -25,17 +31,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Index of a (previous choice, own choice) pair: 0 = stored normally, 1 = checkpointed.
-PAIRS = ((0, 0), (0, 1), (1, 0), (1, 1))
+# Options of a block: 0 = stored normally, 1 = the whole block checkpointed, 2.. = one named
+# sub-module of the block checkpointed (Terms.options names them).
 
 
 @dataclass(frozen=True)
 class BlockTerms:
-    """d, F, B of one block for each (s_prev, s_own) pair, indexed like PAIRS."""
+    """d, F, B of one block for each (s_prev, s_own) pair, indexed by pair_index(s_prev, s_own, K)."""
 
-    d: tuple[int, int, int, int]
-    F: tuple[int, int, int, int]
-    B: tuple[int, int, int, int]
+    d: tuple[int, ...]
+    F: tuple[int, ...]
+    B: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,15 @@ class Terms:
     fixed: int  # max live above static outside the blocks' regions (before u_0, optimizer step)
     blocks: tuple[BlockTerms, ...]
     measured: dict[tuple[int, ...], int] = field(default_factory=dict, compare=False)  # config -> peak
+    options: tuple[str, ...] = ("none", "block")  # option k >= 2 checkpoints sub-module options[k] of each block
+
+    @property
+    def k(self) -> int:
+        return len(self.options)
+
+    def names(self, choice: tuple[int, ...]) -> tuple[str, ...]:
+        """Module names to wrap for a choice: the block for option 1, `block.<sub>` for options 2.."""
+        return tuple(u if c == 1 else f"{u}.{self.options[c]}" for u, c in zip(self.units, choice) if c)
 
     def interpolate(self, other: Terms, batch_size: int) -> Terms:
         """Terms at another batch size, linear through self and other (rounded up: never optimistic)."""
@@ -62,33 +77,39 @@ class Terms:
         blocks = tuple(
             BlockTerms(tup(p.d, q.d), tup(p.F, q.F), tup(p.B, q.B)) for p, q in zip(self.blocks, other.blocks, strict=False)
         )
-        return Terms(batch_size, self.units, self.static, lin(self.base, other.base), lin(self.fixed, other.fixed), blocks)
+        return Terms(
+            batch_size, self.units, self.static, lin(self.base, other.base), lin(self.fixed, other.fixed), blocks,
+            options=self.options,
+        )
 
 
-def pair_index(prev: int, own: int) -> int:
-    return prev * 2 + own
+def pair_index(prev: int, own: int, k: int = 2) -> int:
+    return prev * k + own
 
 
 def predict(terms: Terms, choice: tuple[int, ...]) -> int:
-    """Predicted peak bytes of the iteration with blocks where choice[i] == 1 checkpointed."""
+    """Predicted peak bytes of the iteration with block i taking option choice[i]."""
     top = terms.fixed - terms.base
     prefix, prev = 0, 0
     for i, blk in enumerate(terms.blocks):
-        k = pair_index(prev, choice[i])
+        k = pair_index(prev, choice[i], terms.k)
         top = max(top, prefix + blk.F[k], prefix + blk.B[k])
         prefix += blk.d[k]
         prev = choice[i]
     return terms.static + terms.base + top
 
 
-def probe_configs(n: int) -> dict[str, tuple[int, ...]]:
-    """The four runs that observe every (s_prev, s_own) pair of every block."""
-    return {
+def probe_configs(n: int, k: int = 2) -> dict[str, tuple[int, ...]]:
+    """Runs that observe every (s_prev, s_own) pair of options 0/1, and (k, k) of each finer option."""
+    runs = {
         "none": (0,) * n,
         "all": (1,) * n,
         "even": tuple(1 - (i % 2) for i in range(n)),
         "odd": tuple(i % 2 for i in range(n)),
     }
+    for opt in range(2, k):
+        runs[f"option{opt}"] = (opt,) * n
+    return runs
 
 
 @dataclass(frozen=True)
@@ -130,28 +151,44 @@ def cut_run(live_at, max_between, markers: dict[str, list[int]], units: tuple[st
     return RunCut(tuple(choice), base, fixed, tuple(d), tuple(F), tuple(B), peak)
 
 
-def combine(cuts: list[RunCut], units: tuple[str, ...], static: int, batch_size: int) -> Terms:
-    """Assemble Terms from the probe runs: each block's pair terms from the run that shows that pair."""
-    n = len(units)
+def combine(
+    cuts: list[RunCut], units: tuple[str, ...], static: int, batch_size: int, options: tuple[str, ...] = ("none", "block")
+) -> Terms:
+    """Assemble Terms from the probe runs: each block's pair terms from the run that shows that pair.
+
+    Pairs no run shows involve a finer option (k >= 2), which keeps the block's input and output as
+    option 0 does: (p, k) = (k, k) shifted by how predecessor p changes option 0, i.e. + (p', 0) - (0, 0)
+    with p' = p for p in {0, 1} and 0 otherwise; (k, q) = (0, q) for q in {0, 1}; (j, k) = (k, k).
+    """
+    n, K = len(units), len(options)
     blocks = []
     for i in range(n):
-        vals: dict[int, tuple[int, int, int]] = {}
+        vals: dict[tuple[int, int], tuple[int, int, int]] = {}
         for c in cuts:
-            prev = c.choice[i - 1] if i > 0 else 0
-            for k in ([pair_index(prev, c.choice[i])] if i > 0 else [pair_index(0, c.choice[0]), pair_index(1, c.choice[0])]):
-                vals.setdefault(k, (c.d[i], c.F[i], c.B[i]))
-        missing = [k for k in range(4) if k not in vals]
-        if missing:
-            raise ValueError(f"probe runs miss pairs {missing} of block {units[i]}")
-        blocks.append(
-            BlockTerms(
-                tuple(vals[k][0] for k in range(4)),
-                tuple(vals[k][1] for k in range(4)),
-                tuple(vals[k][2] for k in range(4)),
-            )
-        )
+            own = c.choice[i]
+            prevs = [c.choice[i - 1]] if i > 0 else list(range(K))  # block 0 has no predecessor
+            for prev in prevs:
+                vals.setdefault((prev, own), (c.d[i], c.F[i], c.B[i]))
+        for prev, own in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+            if (prev, own) not in vals:
+                raise ValueError(f"probe runs miss pair {(prev, own)} of block {units[i]}")
+        for own in range(2, K):
+            same = vals[(own, own)]
+            for prev in range(K):
+                if (prev, own) in vals:
+                    continue
+                if prev in (0, 1):
+                    shift = [a - b for a, b in zip(vals[(prev, 0)], vals[(0, 0)])]
+                    vals[(prev, own)] = tuple(x + y for x, y in zip(same, shift))
+                else:
+                    vals[(prev, own)] = same
+            for q in (0, 1):
+                vals.setdefault((own, q), vals[(0, q)])
+        order = [(p, o) for p in range(K) for o in range(K)]
+        blocks.append(BlockTerms(*(tuple(vals[po][j] for po in order) for j in range(3))))
     base = max(c.base for c in cuts)
     fixed = max(c.fixed for c in cuts)
     return Terms(
-        batch_size, units, static, base, fixed, tuple(blocks), {c.choice: static + c.peak_above_static for c in cuts}
+        batch_size, units, static, base, fixed, tuple(blocks),
+        {c.choice: static + c.peak_above_static for c in cuts}, options,
     )

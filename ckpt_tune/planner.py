@@ -21,15 +21,18 @@ FRONT_CAP = 20000  # Pareto points kept per step before thinning (never reached 
 
 @dataclass(frozen=True)
 class Solution:
-    choice: tuple[int, ...]  # 1 = checkpointed
-    cost: float  # recompute cost: sum of the chosen blocks' forward times (ms)
+    choice: tuple[int, ...]  # option per block: 0 stored, 1 checkpointed, 2.. a sub-module checkpointed
+    cost: float  # recompute cost: sum of the checkpointed modules' forward times (ms)
     peak: int  # predicted peak bytes
 
-    def names(self, units: tuple[str, ...]) -> tuple[str, ...]:
-        return tuple(u for u, c in zip(units, self.choice, strict=False) if c)
+    def names(self, terms: Terms) -> tuple[str, ...]:
+        return terms.names(self.choice)
 
 
-def solve(terms: Terms, costs: tuple[float, ...], budget: int) -> Solution | None:
+Costs = tuple[tuple[float, ...], ...]  # costs[i][option]: recompute time (ms) of block i under that option
+
+
+def solve(terms: Terms, costs: Costs, budget: int) -> Solution | None:
     """Least-cost choice with predict(terms, choice) ≤ budget, or None when no choice fits."""
     len(terms.blocks)
     room = budget - terms.static - terms.base
@@ -38,15 +41,15 @@ def solve(terms: Terms, costs: tuple[float, ...], budget: int) -> Solution | Non
     # front[prev] = list of (prefix, cost, top, choice-so-far); top = largest constraint value so far.
     fronts: dict[int, list[tuple[int, float, int, tuple[int, ...]]]] = {0: [(0, 0.0, terms.fixed - terms.base, ())]}
     for i, blk in enumerate(terms.blocks):
-        nxt: dict[int, list] = {0: [], 1: []}
+        nxt: dict[int, list] = {o: [] for o in range(terms.k)}
         for prev, states in fronts.items():
             for prefix, cost, top, ch in states:
-                for own in (0, 1):
-                    k = pair_index(prev, own)
+                for own in range(terms.k):
+                    k = pair_index(prev, own, terms.k)
                     t = max(top, prefix + blk.F[k], prefix + blk.B[k])
                     if t > room:
                         continue
-                    nxt[own].append((prefix + blk.d[k], cost + (costs[i] if own else 0.0), t, (*ch, own)))
+                    nxt[own].append((prefix + blk.d[k], cost + costs[i][own], t, (*ch, own)))
         fronts = {k: _pareto(v) for k, v in nxt.items() if v}
         if not fronts:
             return None
@@ -54,17 +57,17 @@ def solve(terms: Terms, costs: tuple[float, ...], budget: int) -> Solution | Non
     return Solution(best[3], best[1], terms.static + terms.base + best[2])
 
 
-def min_peak(terms: Terms, costs: tuple[float, ...]) -> Solution:
+def min_peak(terms: Terms, costs: Costs) -> Solution:
     """The choice with the smallest predicted peak (ties: the cheapest)."""
     fronts: dict[int, list[tuple[int, float, int, tuple[int, ...]]]] = {0: [(0, 0.0, terms.fixed - terms.base, ())]}
     for i, blk in enumerate(terms.blocks):
-        nxt: dict[int, list] = {0: [], 1: []}
+        nxt: dict[int, list] = {o: [] for o in range(terms.k)}
         for prev, states in fronts.items():
             for prefix, cost, top, ch in states:
-                for own in (0, 1):
-                    k = pair_index(prev, own)
+                for own in range(terms.k):
+                    k = pair_index(prev, own, terms.k)
                     t = max(top, prefix + blk.F[k], prefix + blk.B[k])
-                    nxt[own].append((prefix + blk.d[k], cost + (costs[i] if own else 0.0), t, (*ch, own)))
+                    nxt[own].append((prefix + blk.d[k], cost + costs[i][own], t, (*ch, own)))
         fronts = {k: _pareto_peak(v) for k, v in nxt.items()}
     best = min((s for v in fronts.values() for s in v), key=lambda s: (s[2], s[1]))
     return Solution(best[3], best[1], terms.static + terms.base + best[2])
@@ -96,14 +99,14 @@ def _pareto_peak(states: list) -> list:
     return kept
 
 
-def brute_force(terms: Terms, costs: tuple[float, ...], budget: int) -> Solution | None:
+def brute_force(terms: Terms, costs: Costs, budget: int) -> Solution | None:
     """Reference solver: every choice. Only for small n (tests, benchmarks)."""
     best: Solution | None = None
-    for choice in itertools.product((0, 1), repeat=len(terms.blocks)):
+    for choice in itertools.product(range(terms.k), repeat=len(terms.blocks)):
         peak = predict(terms, choice)
         if peak > budget:
             continue
-        cost = sum(c for c, x in zip(costs, choice, strict=False) if x)
+        cost = sum(c[x] for c, x in zip(costs, choice, strict=True))
         if best is None or (cost, peak) < (best.cost, best.peak):
             best = Solution(choice, cost, peak)
     return best

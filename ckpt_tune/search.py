@@ -47,6 +47,22 @@ def find_blocks(model: nn.Module) -> list[str]:
     return [f for f in found if not any(f != g and f.startswith(g + ".") for g in found)]
 
 
+_NOT_WORTH_A_CHECKPOINT = (nn.LayerNorm, nn.Dropout, nn.Embedding, nn.modules.batchnorm._NormBase)
+
+
+def find_sub_options(model: nn.Module, blocks: list[str] | tuple[str, ...]) -> list[str]:
+    """Relative names of the large sub-modules every block has (attention, MLP): composite children
+    (two or more submodules, with parameters), which a user can checkpoint instead of the whole block."""
+    common: list[str] | None = None
+    for b in blocks:
+        names = [
+            n for n, c in model.get_submodule(b).named_children()
+            if len(list(c.children())) >= 2 and any(True for _ in c.parameters()) and not isinstance(c, _NOT_WORTH_A_CHECKPOINT)
+        ]
+        common = names if common is None else [n for n in common if n in names]
+    return common or []
+
+
 @dataclass(frozen=True)
 class FrontierRow:
     batch_size: int
@@ -80,9 +96,10 @@ class Searcher:
         self.runner = runner
         self.progress = progress or (lambda msg: None)
         self.units = tuple(units if units is not None else find_blocks(runner.model))
+        self.options: tuple[str, ...] = ("none", "block")
         self._terms: dict[int, Terms] = {}
         self.runs = 0
-        self._costs: dict[int, tuple[tuple[float, ...], float]] = {}
+        self._costs: dict[int, tuple[tuple[tuple[float, ...], ...], float]] = {}
 
     # -- measurements ---------------------------------------------------------------------
     def order_units(self, batch_size: int) -> None:
@@ -99,35 +116,43 @@ class Searcher:
                 continue
             chain.append(u)
         self.units = tuple(chain)
+        self.options = ("none", "block", *find_sub_options(self.runner.model, self.units))
 
-    def costs(self, batch_size: int) -> tuple[float, ...]:
-        """Recompute cost of each block: its measured forward time (ms) at this batch size."""
+    def names(self, choice: tuple[int, ...]) -> list[str]:
+        o = self.options
+        return [u if c == 1 else f"{u}.{o[c]}" for u, c in zip(self.units, choice) if c]
+
+    def costs(self, batch_size: int) -> tuple[tuple[float, ...], ...]:
+        """Recompute cost of each block's options: the checkpointed module's forward time (ms) at this batch."""
         return self._timing(batch_size)[0]
 
     def step_ms(self, batch_size: int) -> float:
         return self._timing(batch_size)[1]
 
-    def _timing(self, batch_size: int) -> tuple[tuple[float, ...], float]:
+    def _timing(self, batch_size: int) -> tuple[tuple[tuple[float, ...], ...], float]:
         if batch_size not in self._costs:
             t = self.runner.time_step(batch_size, repeats=3)
-            costs = tuple(max(t.forward_ms.get(u, 0.0), 1e-6) for u in self.units)
+            costs = tuple(
+                (0.0, *(max(t.forward_ms.get(u if k == 1 else f"{u}.{self.options[k]}", 0.0), 1e-6) for k in range(1, len(self.options))))
+                for u in self.units
+            )
             self._costs[batch_size] = (costs, t.step_ms)
         return self._costs[batch_size]
 
     def terms(self, batch_size: int) -> Terms:
         if batch_size not in self._terms:
-            self.progress(f"probing batch {batch_size} (4 recorded steps)")
+            self.progress(f"probing batch {batch_size} ({len(probe_configs(len(self.units), len(self.options)))} recorded steps)")
             cuts = []
             static = 0
-            for choice in probe_configs(len(self.units)).values():
-                names = [u for u, c in zip(self.units, choice, strict=False) if c]
+            for choice in probe_configs(len(self.units), len(self.options)).values():
+                names = self.names(choice)
                 m = self.runner.measure(batch_size, checkpoint=names, units=self.units)
                 self.runs += 1
                 tl = m.timeline
                 cut = cut_run(tl.live_at, tl.max_between, tl.markers, self.units, choice)
                 cuts.append(cut)
                 static = m.static_bytes
-            self._terms[batch_size] = combine(cuts, self.units, static, batch_size)
+            self._terms[batch_size] = combine(cuts, self.units, static, batch_size, self.options)
         return self._terms[batch_size]
 
     def fitted(self, batch_size: int, b1: int, b2: int) -> Terms:
@@ -192,7 +217,7 @@ class Searcher:
                     room = budget
                     continue
                 raise self._no_fit(budget, b)
-            names = sol.names(self.units)
+            names = sol.names(self.terms(b))
             verified = self.verify(b, names)
             if verified <= budget:
                 return self._result(b, sol, verified, budget)
@@ -203,7 +228,7 @@ class Searcher:
         costs, step = self.costs(b), self.step_ms(b)
         res = SearchResult(
             batch_size=b,
-            checkpoint=sol.names(self.units),
+            checkpoint=sol.names(self.terms(b)),
             predicted_peak=sol.peak,
             verified_peak=verified,
             recompute_fraction=round(sol.cost / step, 4),
@@ -215,8 +240,8 @@ class Searcher:
         t = self.terms(b)
         for label, choice in (("no checkpointing", (0,) * n), ("every block", (1,) * n)):
             peak = t.measured.get(choice, predict(t, choice))
-            cost = sum(c for c, x in zip(costs, choice, strict=False) if x)
-            res.baselines[label] = FrontierRow(b, tuple(u for u, x in zip(self.units, choice, strict=False) if x), peak, round(cost / step, 4), peak <= budget)
+            cost = sum(c[x] for c, x in zip(costs, choice, strict=False))
+            res.baselines[label] = FrontierRow(b, t.names(choice), peak, round(cost / step, 4), peak <= budget)
         res.probes = self.runs
         return res
 
@@ -229,9 +254,9 @@ class Searcher:
             sol = solve(t, costs, budget)
             if sol is None:
                 mp = min_peak(t, costs)
-                rows.append(FrontierRow(b, mp.names(self.units), mp.peak, round(mp.cost / step, 4), False))
+                rows.append(FrontierRow(b, mp.names(t), mp.peak, round(mp.cost / step, 4), False))
             else:
-                rows.append(FrontierRow(b, sol.names(self.units), sol.peak, round(sol.cost / step, 4), True))
+                rows.append(FrontierRow(b, sol.names(t), sol.peak, round(sol.cost / step, 4), True))
         return rows
 
     def _no_fit(self, budget: int, b: int) -> NoFitError:
@@ -240,7 +265,7 @@ class Searcher:
         states = t.static
         return NoFitError(
             f"nothing fits {format_bytes(budget)}: the smallest peak reachable at batch {b} is "
-            f"{format_bytes(mp.peak)} (checkpointing {len(mp.names(self.units))} of {len(self.units)} blocks), "
+            f"{format_bytes(mp.peak)} (checkpointing {len(mp.names(t))} of {len(self.units)} blocks), "
             f"of which weights + optimizer state are {format_bytes(states)} and the step's activations and "
             f"temporaries {format_bytes(mp.peak - states)}",
             "raise --vram, use --precision bf16-mixed, a smaller --batch-size, or see `ckpt-tune diagnose`",

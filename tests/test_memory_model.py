@@ -79,6 +79,14 @@ def test_cut_run_on_a_hand_made_curve():
     assert cut.peak_above_static == 14
 
 
+def test_finer_options_are_the_composite_children_every_block_has():
+    from ckpt_tune.search import find_sub_options
+
+    vit = ZOO["vit_dropout"].build()
+    assert find_sub_options(vit, find_blocks(vit)) == ["attn", "mlp"]
+    assert find_sub_options(ZOO["cnn_bn"].build(), ["blocks.0", "blocks.1"]) == []
+
+
 def test_find_blocks_takes_repeated_children_outermost_first():
     assert find_blocks(ZOO["mlp_blocks"].build()) == [f"blocks.{i}" for i in range(6)]
     assert find_blocks(ZOO["linear_stack"].build()) == [f"layers.{i}" for i in range(4)]
@@ -92,10 +100,10 @@ def test_predictions_match_allocator_for_checkpoint_plans(name):
         s = Searcher(runner)
         s.order_units(2)
         terms = s.terms(8)
-    choices = list(itertools.product((0, 1), repeat=len(s.units)))
+    choices = list(itertools.product(range(terms.k), repeat=len(s.units)))
     random.Random(0).shuffle(choices)
-    for choice in choices[:5]:
-        names = [u for u, c in zip(s.units, choice, strict=False) if c]
+    for choice in choices[:6]:
+        names = list(terms.names(choice))
         truth = measured_peak(fx.build, fx.make_batch, fx.loss_fn, 8, checkpoint=names)
         pred = predict(terms, choice)
         # exact up to the BatchNorm guard's throwaway copies of running statistics (a few hundred bytes)

@@ -10,25 +10,36 @@ from ckpt_tune.memory_model import BlockTerms, Terms, predict
 from ckpt_tune.planner import brute_force, min_peak, solve
 
 
-def _random_terms(rng: random.Random, n: int) -> Terms:
+def _random_terms(rng: random.Random, n: int, k: int = 2) -> Terms:
+    """Random but plausible terms; with k > 2, options 2.. checkpoint a part of the block."""
     blocks = []
     for _ in range(n):
         kept = rng.randint(5, 100)
-        ckpt = rng.randint(1, kept)
+        per_option = [kept, rng.randint(1, kept)] + [rng.randint(1, kept) for _ in range(k - 2)]
         free_prev = rng.randint(0, 5)  # a block that does not keep its input frees its predecessor's output
-        d = (kept, ckpt, kept - free_prev, ckpt)
-        fwd = rng.randint(1, 60)
-        bwd = rng.randint(kept, kept + 80)
-        blocks.append(BlockTerms(d, (fwd, fwd + 1, fwd, fwd), (bwd, bwd + rng.randint(0, 20), bwd, bwd)))
-    return Terms(1, tuple(f"b{i}" for i in range(n)), static=1000, base=10, fixed=rng.randint(0, 200), blocks=tuple(blocks))
+        d, f, b = [], [], []
+        fwd, bwd = rng.randint(1, 60), rng.randint(kept, kept + 80)
+        for prev in range(k):
+            for own in range(k):
+                d.append(per_option[own] - (free_prev if prev == 1 and own != 1 else 0))
+                f.append(fwd + (1 if own == 1 else 0))
+                b.append(bwd + (rng.randint(0, 20) if own else 0))
+        blocks.append(BlockTerms(tuple(d), tuple(f), tuple(b)))
+    options = ("none", "block", *[f"part{j}" for j in range(k - 2)])
+    return Terms(1, tuple(f"b{i}" for i in range(n)), 1000, 10, rng.randint(0, 200), tuple(blocks), options=options)
+
+
+def _costs(rng: random.Random, n: int, k: int = 2):
+    return tuple((0.0, *(rng.uniform(0.5, 3.0) for _ in range(k - 1))) for _ in range(n))
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_dp_equals_brute_force(seed):
     rng = random.Random(seed)
-    n = rng.randint(1, 10)
-    t = _random_terms(rng, n)
-    costs = tuple(rng.uniform(0.5, 3.0) for _ in range(n))
+    k = 2 if seed < 25 else 4  # whole blocks only, then with two finer options per block
+    n = rng.randint(1, 10 if k == 2 else 6)
+    t = _random_terms(rng, n, k)
+    costs = _costs(rng, n, k)
     lo, hi = min_peak(t, costs).peak, predict(t, (0,) * n)
     for budget in (lo - 1, lo, (lo + hi) // 2, hi):
         dp, bf = solve(t, costs, budget), brute_force(t, costs, budget)
@@ -44,8 +55,8 @@ def test_min_peak_is_the_smallest_over_all_choices():
     rng = random.Random(7)
     for n in range(1, 9):
         t = _random_terms(rng, n)
-        costs = tuple(1.0 for _ in range(n))
-        assert min_peak(t, costs).peak == brute_force(t, costs, 10**12 * 0 + min_peak(t, costs).peak).peak
+        costs = tuple((0.0, 1.0) for _ in range(n))
+        assert min_peak(t, costs).peak == brute_force(t, costs, min_peak(t, costs).peak).peak
 
 
 def test_knapsack_case_greedy_gets_wrong():
@@ -57,7 +68,7 @@ def test_knapsack_case_greedy_gets_wrong():
 
     last = BlockTerms((0, 0, 0, 0), (0, 0, 0, 0), (5, 5, 5, 5))
     t = Terms(1, ("a", "b", "c", "last"), 0, 0, 0, (blk(10, 1), blk(11, 1), blk(10, 9), last))
-    costs = (1.0, 1.5, 0.6, 0.0)
+    costs = ((0.0, 1.0), (0.0, 1.5), (0.0, 0.6), (0.0, 0.0))
     # stored before the last block: 31; budget 26 = 21 stored + 5 -> shed 10
     sol = solve(t, costs, 26)
     assert sol is not None
@@ -68,13 +79,13 @@ def test_knapsack_case_greedy_gets_wrong():
 
 def test_nothing_fits_returns_none():
     t = _random_terms(random.Random(3), 4)
-    assert solve(t, (1.0,) * 4, t.static) is None
+    assert solve(t, ((0.0, 1.0),) * 4, t.static) is None
 
 
 def test_large_chain_solves_quickly_enough_to_be_interactive():
     rng = random.Random(11)
-    t = _random_terms(rng, 48)
-    costs = tuple(rng.uniform(0.5, 3.0) for _ in range(48))
+    t = _random_terms(rng, 48, 4)
+    costs = _costs(rng, 48, 4)
     budget = (min_peak(t, costs).peak + predict(t, (0,) * 48)) // 2
     sol = solve(t, costs, budget)
     assert sol is not None
