@@ -234,6 +234,15 @@ def render_check(result, top: int = 10) -> None:
             f"{' (largest changes first)' if len(result.modules) > 1 else ''}"
         )
         err.print(_module_table(result, top))
+        for kind, label in (
+            ("new", "new modules (absent from the baseline)"),
+            ("removed", "removed modules"),
+        ):
+            rows = [r for r in result.modules if r.kind == kind]
+            if rows:
+                names = ", ".join(f"{r.name or '(root)'} {_signed(r.delta)}" for r in rows[:top])
+                more = f", and {len(rows) - top} more" if len(rows) > top else ""
+                err.print(f"{label}: {escape(names)}{more}")
     for w in result.warnings:
         err.print(f"[yellow]warning:[/yellow] {escape(w)}")
     err.print(_verdict(result))

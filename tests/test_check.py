@@ -655,3 +655,15 @@ def test_cuda_records_and_compares_reserved_bytes(target, tmp_path):
     again = ck.run_check(target, baseline, batch_size=B, settings=settings)
     assert again.status == "pass", ck.explain(again)
     assert again.reserved_limit_bytes == ck.limit_for(first.recorded.reserved_bytes, 0.10)
+
+
+def test_report_lists_new_and_removed_modules(capsys):
+    from ckpt_tune.check_cli import render_check
+
+    prof = make_profile(1100, {"": 0, "a": 150, "b": 50, "d": 30})
+    render_check(dataclasses.replace(ck.compare(make_baseline(), prof), baseline_path="memory.yaml"))
+    err = one_line(capsys.readouterr().err)
+    assert "│ a │ 100 B │ 150 B │ +50 B │ +50.0% │" in err
+    assert "new modules (absent from the baseline): d +30 B" in err
+    assert "removed modules: c -20 B" in err
+    assert "REGRESSED: peak 1100 bytes" in err
