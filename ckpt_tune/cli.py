@@ -146,6 +146,11 @@ def search(
         })
 
 
+from ckpt_tune import check_cli  # noqa: E402  (commands kept in their own modules)
+
+check_cli.register(app)
+
+
 def main() -> None:
     """Entry point: click handles usage errors (exit 2); our error family becomes one line and its code."""
     try:
