@@ -1,0 +1,498 @@
+"""`--device meta`: one training iteration under fake tensors, recorded like the allocator would see it.
+
+Under `FakeTensorMode` every tensor has shape, dtype and a storage of the right size, but no data: a
+Llama-7B-shaped step runs in seconds in a few hundred MiB of RAM (DESIGN.md §3). There is no allocator
+to ask, so `FakeRecorder` plays its part. A `TorchDispatchMode` (user modes always run above the fake
+mode) sees the result of every op and counts each storage it has not seen before as an allocation of
+its `nbytes`; a weakref on that storage counts its death as the free. The result is the same
+`timeline.Timeline` the CPU `Recorder` gives, on a logical clock: one tick per event or marker.
+
+What no op returns, fake mode cannot see: memory a kernel allocates and frees inside itself. On the
+CPU, oneDNN reorders convolution inputs and weights into blocked layouts, BatchNorm's backward keeps an
+input-sized temporary, and a oneDNN LSTM layer returns a workspace whose size only oneDNN knows (fake
+mode makes it empty). For these ops (`CPU_SCRATCH_OPS`) the CPU recorder runs the real kernel once per
+distinct shape on zero-filled tensors, under the profiler, and replays what it allocated. On CUDA the
+caching allocator rounds each block up to 512 B, which `FakeRecorder(device="cuda")` applies; cuDNN
+and cuBLAS workspaces are not modelled there, and the calls that would use them are counted in
+`FakeRecorder.unmodelled`.
+
+A storage is named by `fake_storage_key(t)`: the StorageImpl's address for a fake tensor (whose
+`data_ptr()` is 0 and deprecated), the data pointer for a real one, which is what `Recorder` records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import os
+import sys
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+    unset_fake_temporarily,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+
+from ckpt_tune import loader, timeline
+from ckpt_tune.errors import CkptTuneError
+from ckpt_tune.timeline import Timeline
+
+aten = torch.ops.aten
+
+# CUDA caching allocator: every block is a multiple of kMinBlockSize = 512 bytes
+# (c10/cuda/CUDACachingAllocator.cpp, round_size).
+CUDA_BLOCK_ROUND = 512
+# Ops whose CPU kernels allocate memory that fake mode cannot see (see the module docstring). Measured
+# on examples/ and small CNN/LSTM models: everything else there allocates at most a few KiB inside
+# (bf16 matmul packing buffers reach ~2 MiB; not modelled: calibrating a large GEMM costs seconds).
+CPU_SCRATCH_OPS = frozenset(
+    {
+        aten.convolution.default,
+        aten.convolution_backward.default,
+        aten.native_batch_norm_backward.default,
+        aten.mkldnn_rnn_layer.default,
+        aten.mkldnn_rnn_layer_backward.default,
+    }
+)
+# Calibration runs the op for real: skip it (and count the op as unmodelled) above this many bytes of
+# real inputs, so a fake run never needs the memory it is meant to predict.
+CALIBRATE_LIMIT = 256 << 20
+FAKE_HINT = "use --device cpu on a smaller config"
+_RECORD_FUNCTION_ENTER = torch.ops.profiler._record_function_enter_new.default
+_DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
+
+# What a kernel allocates beyond fake mode's view: (bytes of each output, None where fake mode's size is
+# right; bytes it holds at its own peak above those outputs).
+Scratch = tuple[tuple[int | None, ...], int]
+
+_MODE: FakeTensorMode | None = None
+_CALIBRATED: dict[tuple, Scratch | None] = {}  # op call signature -> what the real kernel allocated
+
+
+class FakeModeError(CkptTuneError):
+    """The model runs an op whose result fake tensors cannot know without data (nonzero, .item(), ...)."""
+
+
+def fake_mode() -> FakeTensorMode:
+    """The one FakeTensorMode that fake models, batches and optimizer steps share.
+
+    Fake tensors of two modes cannot meet in one op, so everything in ckpt-tune uses this instance.
+    `allow_non_fake_inputs`: a real tensor the user's code keeps on the side (a constant made with
+    `torch.from_numpy`) is converted when used instead of failing the run.
+    """
+    global _MODE
+    if _MODE is None:
+        _MODE = FakeTensorMode(allow_non_fake_inputs=True)
+    return _MODE
+
+
+def fake_storage_key(t: torch.Tensor) -> int:
+    """The key `FakeRecorder` records in `ptrs` for t's storage (for a real t: `Recorder`'s data pointer)."""
+    st = t.untyped_storage()
+    return st._cdata if isinstance(t, FakeTensor) else st.data_ptr()
+
+
+# --- data-dependent ops -----------------------------------------------------------------------
+
+
+def _fake_mode_error(e: BaseException) -> FakeModeError:
+    func = getattr(e, "func", None)
+    op = str(func).removesuffix(".default") if func is not None else type(e).__name__
+    if op == "aten._local_scalar_dense":
+        op += " (.item(), or bool()/int()/float() of a tensor)"
+    return FakeModeError(f"fake tensors cannot run this model: {op}", FAKE_HINT)
+
+
+def as_fake_mode_error(exc: BaseException) -> FakeModeError | None:
+    """The FakeModeError behind exc: itself, or one made from a fake-tensor failure in its cause chain."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, FakeModeError):
+            return e
+        if isinstance(e, _DATA_DEPENDENT):
+            return _fake_mode_error(e)
+        e = e.__cause__ or e.__context__
+    return None
+
+
+@contextlib.contextmanager
+def fake_errors() -> Iterator[None]:
+    """Raise a FakeModeError for a data-dependent failure below, even one wrapped in a UserCodeError."""
+    try:
+        yield
+    except Exception as exc:
+        err = as_fake_mode_error(exc)
+        if err is None or err is exc:
+            raise
+        raise err from exc
+
+
+@contextlib.contextmanager
+def running() -> Iterator[FakeTensorMode]:
+    """The fake mode, entered, with FakeModeError translation: wrap each iteration (warm-up too) in it."""
+    with fake_errors(), fake_mode() as mode:
+        yield mode
+
+
+# --- CPU kernel scratch, measured ----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _quiet_fd2() -> Iterator[None]:
+    # Kineto prints profiler start/stop lines straight to fd 2.
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        yield
+        return
+    sys.stderr.flush()
+    saved, devnull = os.dup(fd), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+        yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _signature(func, args, kwargs) -> tuple:
+    def one(a):
+        if isinstance(a, torch.Tensor):
+            return (tuple(a.shape), tuple(a.stride()), a.storage_offset(), a.dtype)
+        if isinstance(a, (list, tuple)):
+            return tuple(one(x) for x in a)
+        if isinstance(a, dict):
+            return tuple(sorted((k, one(v)) for k, v in a.items()))
+        return a
+
+    return (func, one(args), one(kwargs), torch.is_grad_enabled())
+
+
+def _real_like(t: torch.Tensor) -> torch.Tensor:
+    n = t.untyped_storage().nbytes() // t.element_size()
+    return torch.zeros(max(n, 1), dtype=t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def _calibrate(func, args, kwargs) -> Scratch | None:
+    """Run func for real on zeros shaped like the fake args, under the profiler; None if it cannot be."""
+    fakes = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+    if sum(a.untyped_storage().nbytes() for a in fakes) > CALIBRATE_LIMIT:
+        return None
+    if torch.autograd._profiler_enabled():  # a profiler cannot nest in another
+        return None
+    try:
+        return _run_real(func, args, kwargs)
+    except Exception:  # a kernel that rejects zeros or these args: its scratch stays unmodelled
+        return None
+
+
+def _run_real(func, args, kwargs) -> Scratch:
+    # Grad mode as the caller has it: oneDNN RNN layers keep a workspace only under grad mode.
+    with unset_fake_temporarily():
+        rargs, rkwargs = tree_map_only(torch.Tensor, _real_like, (args, kwargs))
+        if func is aten.native_batch_norm_backward.default and rargs[2] is not None:
+            # fake mode gives bf16 inputs bf16 saved statistics; the CPU kernel keeps them in the
+            # parameters' dtype and insists on it
+            rargs = (*rargs[:5], *(t if t is None else t.to(rargs[2].dtype) for t in rargs[5:7]), *rargs[7:])
+        if func is aten.mkldnn_rnn_layer_backward.default:
+            # the backward reads the forward's workspace, which the fake forward left empty
+            a = list(rargs)
+            with torch.enable_grad():  # backward runs without grad mode, the workspace needs it
+                fwd = aten.mkldnn_rnn_layer.default(*a[0:7], a[13], a[20], a[14], a[15], a[16], a[17], a[19], a[21], True)
+            a[22] = fwd[3]
+            rargs = tuple(a)
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((rargs, rkwargs))[0] if isinstance(t, torch.Tensor)}
+        with _quiet_fd2(), torch.autograd.profiler.profile(profile_memory=True, use_kineto=True) as prof:
+            out = func(*rargs, **rkwargs)
+        mem = sorted(
+            (e.start_ns(), i, int(e.nbytes()))
+            for i, e in enumerate(prof.kineto_results.events())
+            if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")
+        )
+        live = top = 0
+        for _t, _i, d in mem:
+            live += d
+            top = max(top, live)
+        sizes, seen = [], set()
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if not isinstance(t, torch.Tensor):
+                sizes.append(0)
+                continue
+            p = t.untyped_storage().data_ptr()
+            sizes.append(0 if p in inputs or p in seen else t.untyped_storage().nbytes())
+            seen.add(p)
+    return tuple(sizes), max(0, top - sum(sizes))
+
+
+def _batch_norm_sizes(args) -> Scratch | None:
+    # Fake mode gives a bf16 input bf16 saved mean and invstd; the kernels (CPU and CUDA) keep them in
+    # the parameters' dtype, fp32 under autocast.
+    x, weight = args[0], args[1] if len(args) > 1 else None
+    if weight is None or weight.dtype == x.dtype:
+        return None
+    stats = x.shape[1] * weight.element_size() if args[5] else 0  # training: saved per channel
+    return (None, stats, stats), 0
+
+
+# --- the recorder -------------------------------------------------------------------------------
+
+
+class _Dispatch(TorchDispatchMode):
+    """Sees every op's outputs above the fake mode and tells the recorder about new storages."""
+
+    def __init__(self, rec: FakeRecorder) -> None:
+        super().__init__()
+        self.rec = rec
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        rec = self.rec
+        if func is _RECORD_FUNCTION_ENTER and rec._intercept_marks:
+            name = args[0] if args else None
+            if isinstance(name, str) and name.startswith(timeline.PREFIX):
+                rec._marker(name[len(timeline.PREFIX) :])
+        cal = rec._scratch(func, args, kwargs) if func in CPU_SCRATCH_OPS else None
+        if cal is None and func is aten.native_batch_norm.default:
+            cal = _batch_norm_sizes(args)
+        try:
+            out = func(*args, **kwargs)
+        except _DATA_DEPENDENT as e:
+            raise _fake_mode_error(e) from e
+        if isinstance(out, torch.Tensor):
+            rec._see(out, args, kwargs, None if cal is None else cal[0][0])
+        elif isinstance(out, (tuple, list)):
+            for i, t in enumerate(out):
+                if isinstance(t, torch.Tensor):
+                    rec._see(t, args, kwargs, None if cal is None or i >= len(cal[0]) else cal[0][i])
+        if cal is not None and cal[1] > 0:  # the kernel's own peak, above its outputs
+            rec._spike(cal[1])
+        return out
+
+
+class FakeRecorder:
+    """Context manager with `timeline.Recorder`'s interface, for fake tensors.
+
+    `with FakeRecorder(device) as rec: ...` then `rec.timeline`. `device` is the allocator to mimic:
+    "cpu" (exact bytes, CPU kernel scratch measured), "cuda" (blocks rounded up to 512 B), "meta"
+    (storage bytes only). Every storage created while recording is an allocation, its death a free;
+    `timeline.mark()` calls are markers; time is a counter shared by both. Storages that existed
+    before are not counted, nor their frees, as with `Recorder`. `unmodelled` counts the calls whose
+    kernel scratch is not in the timeline, by op.
+    """
+
+    def __init__(self, device: str = "cpu", round_to: int | None = None) -> None:
+        self.device_type = torch.device(device).type
+        self.round_to = round_to if round_to is not None else (CUDA_BLOCK_ROUND if self.device_type == "cuda" else 1)
+        self.timeline = Timeline()
+        self.unmodelled: dict[str, int] = {}
+        self._clock = 0
+        self._active = False
+        self._events: list[tuple[int, int, int]] = []  # (time, delta, key)
+        self._markers: dict[str, list[int]] = {}
+        self._live: dict[int, int] = {}  # key -> recorded bytes, for storages born while recording
+        self._refs: dict[int, weakref.ref] = {}
+        self._old: dict[int, weakref.ref] = {}  # storages born before recording, seen as op inputs
+        self._mode: _Dispatch | None = None
+        self._intercept_marks = not hasattr(timeline, "add_listener")
+        self._gc_was_enabled = False
+
+    def __enter__(self) -> FakeRecorder:
+        # As in Recorder: garbage from earlier work is collected now, not in the middle of the
+        # iteration, where freeing it would read as this iteration releasing memory.
+        gc.collect()
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()
+        self._active = True
+        if not self._intercept_marks:
+            timeline.add_listener(self._marker)
+        _RECORDERS.append(self)
+        self._mode = _Dispatch(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self._mode is not None:
+                self._mode.__exit__(*exc)
+        finally:
+            self._mode = None
+            self._active = False
+            _RECORDERS.remove(self)
+            if not self._intercept_marks:
+                timeline.remove_listener(self._marker)
+            self._refs.clear()  # dropped weakrefs never call back
+            self._old.clear()
+            if self._gc_was_enabled:
+                gc.enable()
+        if exc[0] is None:
+            self.timeline = self._build()
+        elif isinstance(exc[1], Exception):
+            err = as_fake_mode_error(exc[1])
+            if err is not None and err is not exc[1]:
+                raise err from exc[1]
+
+    def nbytes(self, t: torch.Tensor) -> int:
+        """Bytes recorded for t's storage (its calibrated size, e.g. a oneDNN workspace), else its nbytes."""
+        return self._live.get(fake_storage_key(t), self._rounded(t.untyped_storage().nbytes()))
+
+    def note(self, t: torch.Tensor) -> None:
+        """Count t's storage as born now unless already known (tensors made outside dispatch)."""
+        if self._active:
+            key = fake_storage_key(t)
+            if key not in self._live and key not in self._old:
+                self._alloc(t.untyped_storage(), key, None)
+
+    # -- events -------------------------------------------------------------------------------
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _marker(self, name: str) -> None:
+        if self._active:
+            self._markers.setdefault(name, []).append(self._tick())
+
+    def _rounded(self, n: int) -> int:
+        r = self.round_to
+        return -(-n // r) * r if r > 1 else n
+
+    def _alloc(self, st: torch.UntypedStorage, key: int, size: int | None) -> None:
+        n = self._rounded(st.nbytes() if size is None else size)
+        if n <= 0:  # the CPU allocator reports nothing for empty tensors either
+            return
+        self._live[key] = n
+        self._refs[key] = weakref.ref(st, functools.partial(self._free, key))
+        self._events.append((self._tick(), n, key))
+
+    def _free(self, key: int, _ref: Any = None) -> None:
+        if self._active and key in self._live:
+            self._events.append((self._tick(), -self._live.pop(key), key))
+            self._refs.pop(key, None)
+
+    def _forget_old(self, key: int, _ref: Any = None) -> None:
+        self._old.pop(key, None)
+
+    def _spike(self, n: int) -> None:
+        n = self._rounded(n)
+        self._events.append((self._tick(), n, 0))
+        self._events.append((self._tick(), -n, 0))
+
+    def _scratch(self, func, args, kwargs) -> Scratch | None:
+        if self.device_type == "cpu":
+            sig = _signature(func, args, kwargs)
+            if sig not in _CALIBRATED:
+                _CALIBRATED[sig] = _calibrate(func, args, kwargs)
+            if _CALIBRATED[sig] is not None:
+                return _CALIBRATED[sig]
+        name = str(func).removesuffix(".default")
+        self.unmodelled[name] = self.unmodelled.get(name, 0) + 1
+        return None
+
+    def _see(self, t: torch.Tensor, args, kwargs, size: int | None) -> None:
+        key = fake_storage_key(t)
+        if key in self._live:
+            n = self._rounded(t.untyped_storage().nbytes())
+            if size is None and n != self._live[key]:  # resize_ of a storage born here
+                self._events.append((self._tick(), n - self._live[key], key))
+                self._live[key] = n
+            return
+        if key in self._old:
+            return
+        # An unseen storage that is also an input's (an in-place op or a view of an older tensor) is old.
+        for a in tree_flatten((args, kwargs))[0]:
+            if isinstance(a, torch.Tensor) and fake_storage_key(a) == key:
+                self._old[key] = weakref.ref(t.untyped_storage(), functools.partial(self._forget_old, key))
+                return
+        self._alloc(t.untyped_storage(), key, size)
+
+    def _build(self) -> Timeline:
+        tl = Timeline()
+        live = 0
+        for t, d, key in self._events:
+            live += d
+            tl.times.append(t)
+            tl.deltas.append(d)
+            tl.ptrs.append(key)
+            tl.live.append(live)
+        tl.markers = {k: list(v) for k, v in self._markers.items()}
+        return tl
+
+
+_RECORDERS: list[FakeRecorder] = []
+
+
+def note_new(obj: Any) -> None:
+    """Tell the active recorders about the tensors in obj made outside dispatch (converted batches)."""
+    tensors = [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+    for rec in _RECORDERS:
+        for t in tensors:
+            rec.note(t)
+
+
+# --- fake models and batches ------------------------------------------------------------------
+
+
+def to_fake(obj: Any) -> Any:
+    """obj with every real tensor in nested lists, tuples and dicts replaced by a fake one."""
+    mode = fake_mode()
+    flat, spec = tree_flatten(obj)
+    if not any(isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) for t in flat):
+        return obj
+    flat = [mode.from_tensor(t) if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) else t for t in flat]
+    return tree_unflatten(flat, spec)
+
+
+def _fakeify_module(model: nn.Module) -> None:
+    """Replace real parameters and buffers the user's build left (made outside dispatch) with fake ones."""
+    mode = fake_mode()
+    done: dict[int, torch.Tensor] = {}  # keeps tied weights tied
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None and not isinstance(p, FakeTensor):
+                if id(p) not in done:
+                    done[id(p)] = nn.Parameter(mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
+                mod._parameters[name] = done[id(p)]
+        for name, b in list(mod._buffers.items()):
+            if b is not None and not isinstance(b, FakeTensor):
+                done.setdefault(id(b), mode.from_tensor(b))
+                mod._buffers[name] = done[id(b)]
+
+
+def build_fake_model(target: loader.Target) -> nn.Module:
+    """The target's model with fake parameters and buffers: built under the fake mode, allocating nothing."""
+    with running():
+        model = loader.build_model(target)
+    _fakeify_module(model)
+    return model
+
+
+def fake_batch_fn(target: loader.Target, device: str = "cpu") -> Callable[[int], Any]:
+    """batch_size -> the target's batch made under the fake mode (tensors that came out real are converted).
+
+    Fake mode profiles the CPU-device graph (fake CUDA tensors need a CUDA build and device), so the
+    batch is on the CPU whatever `device` the step is sized for; the recorder's device sets the rounding.
+    """
+    del device
+
+    def batch_fn(batch_size: int) -> Any:
+        with running():
+            batch = loader.make_batch(target, batch_size, "cpu")
+        fake = to_fake(batch)
+        if fake is not batch:
+            note_new(fake)
+        return fake
+
+    return batch_fn

@@ -1,0 +1,398 @@
+"""fake.py: one training iteration under fake tensors, checked against the CPU allocator.
+
+Ground truth is the allocator: a real model, the same batch, one warm-up iteration (optimizer state
+allocated), gradients set to None, then `timeline.Recorder` around one iteration; the peak is params +
+buffers + optimizer state + the largest live bytes of the recording. The fake side runs the same
+harness with fake tensors under `FakeRecorder`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+from ckpt_tune import fake, loader, timeline
+from ckpt_tune.errors import CkptTuneError, UserCodeError
+from ckpt_tune.fake import FakeModeError, FakeRecorder, fake_storage_key
+from ckpt_tune.timeline import Recorder, mark
+
+ROOT = Path(__file__).parent.parent
+EXAMPLES = ROOT / "examples"
+
+
+# --- tiny models -------------------------------------------------------------------------------
+
+
+def _gen() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int = 64, n: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(d, d), nn.ReLU()) for _ in range(n)])
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+class CNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+            nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+        )  # fmt: skip
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.head(self.features(x).mean((2, 3)))
+
+
+class LSTM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, 64)
+        # input size = hidden size: both layers share one signature, so one calibration serves both
+        self.lstm = nn.LSTM(64, 64, num_layers=2, batch_first=True)
+        self.head = nn.Linear(64, 100)
+
+    def forward(self, x):
+        return self.head(self.lstm(self.emb(x))[0])
+
+
+def _ce(model, batch):
+    x, y = batch
+    out = model(x)
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def _gpt():
+    target = loader.load_target(f"{EXAMPLES / 'gpt.py'}:build")
+    cfg = {"n_layer": 2, "n_embd": 48, "n_head": 4, "block_size": 32, "vocab_size": 256}
+    return (lambda: target.build_fn(**cfg)), (lambda: target.batch_fn(4, **cfg)), target.loss_fn
+
+
+def _resnet():
+    target = loader.load_target(f"{EXAMPLES / 'resnet.py'}:build")
+    cfg = {"image_size": 16, "width": 8, "blocks_per_stage": 1}
+    return (lambda: target.build_fn(**cfg)), (lambda: target.batch_fn(4, **cfg)), target.loss_fn
+
+
+CASES = {
+    "mlp": lambda: (MLP, lambda: (torch.randn(16, 64, generator=_gen()), torch.randint(0, 10, (16,), generator=_gen())), _ce),
+    "cnn_bn": lambda: (CNN, lambda: (torch.randn(4, 3, 16, 16, generator=_gen()), torch.randint(0, 10, (4,), generator=_gen())), _ce),
+    "lstm": lambda: (LSTM, lambda: (torch.randint(0, 100, (4, 16), generator=_gen()), torch.randint(0, 100, (4, 16), generator=_gen())), _ce),
+    "gpt": _gpt,
+    "resnet": _resnet,
+}
+
+
+# --- the harness -------------------------------------------------------------------------------
+
+
+def _unique_bytes(tensors) -> int:
+    return sum({fake_storage_key(t): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def _peak(model, batch_fn, loss_fn, precision: str, recorder, context) -> tuple[int, int]:
+    """(params + buffers + optimizer state, peak) of one steady-state iteration."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=0.0)
+
+    def iteration():
+        for p in params:
+            p.grad = None
+        mark("iter")
+        batch = batch_fn()
+        amp = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext()
+        with amp:
+            loss = loss_fn(model, batch)
+        loss.backward()
+        opt.step()
+        mark("step")
+
+    with context():
+        iteration()  # warm-up: AdamW state allocated
+    for p in params:
+        p.grad = None
+    state = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    static = _unique_bytes([*model.parameters(), *model.buffers()]) + _unique_bytes(state)
+    with context(), recorder("cpu") as rec:
+        iteration()
+    return static, static + max([0, *rec.timeline.live])
+
+
+def _real_and_fake(case: str, precision: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    build, batch_fn, loss_fn = CASES[case]()
+    torch.manual_seed(0)
+    real = _peak(build(), batch_fn, loss_fn, precision, Recorder, contextlib.nullcontext)
+    with fake.running():
+        torch.manual_seed(0)
+        model = build()
+
+    def fake_batch():
+        with fake.running():
+            return batch_fn()
+
+    return real, _peak(model, fake_batch, loss_fn, precision, FakeRecorder, fake.running)
+
+
+@pytest.mark.parametrize(
+    ("case", "precision"),
+    [
+        ("mlp", "fp32"),
+        ("cnn_bn", "fp32"),
+        ("cnn_bn", "bf16-mixed"),
+        ("lstm", "fp32"),
+        pytest.param("lstm", "bf16-mixed", marks=pytest.mark.slow),  # oneDNN's bf16 LSTM: seconds on CPU
+        ("gpt", "fp32"),
+        ("gpt", "bf16-mixed"),
+        pytest.param("resnet", "fp32", marks=pytest.mark.slow),
+    ],
+)
+def test_fake_peak_matches_cpu_allocator(case, precision):
+    (real_static, real_peak), (fake_static, fake_peak) = _real_and_fake(case, precision)
+    assert fake_static == real_static  # same parameters, buffers and AdamW state, byte for byte
+    err = (fake_peak - real_peak) / real_peak
+    assert abs(err) <= 0.03, f"{case} {precision}: fake {fake_peak:,} vs CPU allocator {real_peak:,} ({err:+.2%})"
+
+
+# --- the recorder, by hand ---------------------------------------------------------------------
+
+
+def test_new_storages_are_allocations_and_their_death_frees():
+    with fake.running():
+        old = torch.empty(256)  # born before recording: never counted
+    with fake.running(), FakeRecorder("cpu") as rec:
+        a = torch.empty(1000)  # +1000 * 4
+        b = a * 2  # +1000 * 4
+        v = b.view(10, 100).t()  # a view: no storage
+        old.add_(1)  # in place on an older storage: nothing
+        a.mul_(3)  # in place: nothing
+        del b, v  # b's storage dies: -4000
+        mark("m")
+        c = torch.empty(10, dtype=torch.float64)  # +10 * 8
+    tl = rec.timeline
+    assert tl.deltas == [4000, 4000, -4000, 80]
+    assert tl.live == [4000, 8000, 4000, 4080]
+    assert tl.times == sorted(tl.times)
+    assert tl.times[2] < tl.marker("m") < tl.times[3]
+    assert tl.ptrs[0] == fake_storage_key(a)
+    assert tl.ptrs[3] == fake_storage_key(c)
+    assert tl.ptrs[1] == tl.ptrs[2]  # b's allocation and free name the same storage
+    assert isinstance(a, FakeTensor)
+
+
+def test_cuda_target_rounds_blocks_to_512_bytes():
+    with fake.running(), FakeRecorder("cuda") as rec:
+        a = torch.empty(10)  # 40 B -> one 512 B block
+        b = torch.empty(129)  # 516 B -> 1024 B
+        del a, b
+    assert rec.timeline.deltas == [512, 1024, -512, -1024]
+
+
+def test_markers_keep_their_order_and_land_once(monkeypatch):
+    """Today markers are read off record_function; once timeline has listeners, through them, not both."""
+    listeners: list = []
+
+    def mark_with_listeners(name: str) -> None:
+        for fn in listeners:
+            fn(name)
+        with torch.autograd.profiler.record_function(timeline.PREFIX + name):
+            pass
+
+    for listening in (False, True):
+        if listening:
+            monkeypatch.setattr(timeline, "add_listener", listeners.append, raising=False)
+            monkeypatch.setattr(timeline, "remove_listener", listeners.remove, raising=False)
+        with fake.running(), FakeRecorder("cpu") as rec:
+            mark_with_listeners("a")
+            x = torch.empty(4)
+            mark_with_listeners("b")
+            mark_with_listeners("a")
+            del x
+        tl = rec.timeline
+        assert len(tl.markers["a"]) == 2
+        assert len(tl.markers["b"]) == 1
+        assert tl.marker("a", 0) < tl.times[0] < tl.marker("b") < tl.marker("a", 1) < tl.times[1]
+        assert listeners == []  # removed on exit
+
+
+def test_cuda_target_counts_unmodelled_workspaces():
+    with fake.running():
+        model = CNN()
+        x = torch.randn(2, 3, 8, 8)
+    with fake.running(), FakeRecorder("cuda") as rec:
+        model(x).sum().backward()
+    assert rec.unmodelled == {"aten.convolution": 2, "aten.convolution_backward": 2, "aten.native_batch_norm_backward": 2}
+
+
+def test_cpu_target_measures_onednn_lstm_workspace():
+    """Fake mode returns an empty oneDNN workspace; the CPU recorder records the real kernel's size."""
+    with fake.running():
+        lstm = nn.LSTM(8, 16)
+        x = torch.randn(5, 2, 8)
+    with fake.running(), FakeRecorder("cpu") as rec:
+        out, _ = lstm(x)
+    with torch.random.fork_rng(devices=[]):
+        real_out = nn.LSTM(8, 16)(torch.zeros(5, 2, 8))[0]
+    assert rec.unmodelled == {}
+    assert rec.nbytes(out) == real_out.untyped_storage().nbytes() == 5 * 2 * 16 * 4
+    assert sum(d for d in rec.timeline.deltas if d > 0) > 5 * 2 * 16 * 4 * 3  # output, h, c, workspace
+
+
+# --- models, batches, errors ------------------------------------------------------------------
+
+
+def _tiny_llama_config(tmp_path: Path, tied: bool) -> Path:
+    cfg = {
+        "model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 64, "tie_word_embeddings": tied,
+    }  # fmt: skip
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def test_gpt_example_keeps_weights_tied():
+    target = loader.load_target(f"{EXAMPLES / 'gpt.py'}:build")
+    model = fake.build_fake_model(target)
+    assert isinstance(model.wte.weight, FakeTensor)
+    assert model.lm_head.weight is model.wte.weight
+    vocab, c = 4096, 192
+    assert len({fake_storage_key(p) for p in model.parameters()}) == len(list(model.parameters()))
+    assert model.wte.weight.untyped_storage().nbytes() == vocab * c * 4
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("tied", [True, False])
+def test_hf_llama_tied_embeddings_stay_tied(tmp_path, tied):
+    pytest.importorskip("transformers")
+    from ckpt_tune.hf import load_hf_target
+
+    target = load_hf_target(_tiny_llama_config(tmp_path, tied), seq_len=16)
+    model = fake.build_fake_model(target)
+    assert all(isinstance(p, FakeTensor) for p in model.parameters())
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) is tied
+    batch = fake.fake_batch_fn(target, "cuda")(2)
+    assert isinstance(batch["input_ids"], FakeTensor)
+    assert batch["input_ids"].shape == (2, 16)
+    with fake.running():
+        loss = loader.compute_loss(target, model, batch)
+        loss.backward()
+    assert model.lm_head.weight.grad.shape == (128, 32)
+
+
+def test_batch_made_outside_dispatch_is_converted_and_recorded():
+    """A make_batch that builds its tensor from numpy gives a real tensor even under the fake mode."""
+    np = pytest.importorskip("numpy")
+    target = loader.Target(
+        spec="t", module_name="t", file_path=None, fn_name="build", build_fn=lambda: nn.Linear(8, 2),
+        batch_fn=lambda b: torch.from_numpy(np.zeros((b, 8), dtype=np.float32)), loss_fn=None,
+        batch_source="t", loss_source="t",
+    )  # fmt: skip
+    batch_fn = fake.fake_batch_fn(target, "cpu")
+    with fake.running(), FakeRecorder("cpu") as rec:
+        batch = batch_fn(3)
+    assert isinstance(batch, FakeTensor)
+    assert rec.timeline.deltas == [3 * 8 * 4]
+    assert rec.timeline.ptrs == [fake_storage_key(batch)]
+
+
+def test_build_allocates_nothing():
+    """A 4 GiB layer built under the fake mode costs no memory."""
+    target = loader.Target(
+        spec="t", module_name="t", file_path=None, fn_name="build", build_fn=lambda: nn.Linear(32768, 32768),
+        batch_fn=lambda b: torch.zeros(b, 32768), loss_fn=None, batch_source="t", loss_source="t",
+    )  # fmt: skip
+    before = _rss()
+    model = fake.build_fake_model(target)
+    assert model.weight.untyped_storage().nbytes() == 32768 * 32768 * 4
+    assert _rss() - before < 64 << 20
+
+
+class _NonzeroModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y[y > 0].sum()  # boolean indexing: the output's size depends on the data
+
+
+class _ItemModel(_NonzeroModel):
+    def forward(self, x):
+        y = self.lin(x)
+        return y * y.max().item()
+
+
+@pytest.mark.parametrize(
+    ("model_cls", "op"), [(_NonzeroModel, "aten.nonzero"), (_ItemModel, "aten._local_scalar_dense")]
+)
+def test_data_dependent_model_raises_fake_mode_error(model_cls, op):
+    target = loader.Target(
+        spec="t", module_name="t", file_path=None, fn_name="build", build_fn=model_cls,
+        batch_fn=lambda b: torch.randn(b, 4), loss_fn=None, batch_source="t", loss_source="t",
+    )  # fmt: skip
+    model = fake.build_fake_model(target)
+    batch = fake.fake_batch_fn(target, "cpu")(2)
+    # loader wraps the failure in a UserCodeError; running() and FakeRecorder unwrap it
+    with pytest.raises(FakeModeError) as info, fake.running(), FakeRecorder("cpu"):
+        loader.compute_loss(target, model, batch)
+    err = info.value
+    assert isinstance(err, CkptTuneError)
+    assert err.message.startswith(f"fake tensors cannot run this model: {op}")
+    assert err.hint == "use --device cpu on a smaller config"
+    assert isinstance(err.__cause__, UserCodeError)
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+    except OSError:
+        pytest.skip("needs /proc/self/statm to read the resident set size")
+
+
+@pytest.mark.slow
+@pytest.mark.hf
+def test_llama_7b_builds_and_steps_under_fake_mode_in_little_memory():
+    pytest.importorskip("transformers")
+    from ckpt_tune.hf import load_hf_target
+
+    before = _rss()
+    target = load_hf_target(EXAMPLES / "configs" / "llama-2-7b.json", seq_len=256)
+    model = fake.build_fake_model(target)
+    n = 6_738_415_616  # published parameter count
+    assert sum(p.numel() for p in model.parameters()) == n
+    assert _unique_bytes(model.parameters()) == 4 * n  # fp32, untied lm_head
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=0.0)
+    batch_fn = fake.fake_batch_fn(target, "cuda")
+    with fake.running(), FakeRecorder("cuda") as rec:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loader.compute_loss(target, model, batch_fn(1))
+        loss.backward()
+        opt.step()
+    assert sum(st["exp_avg"].untyped_storage().nbytes() for st in opt.state.values()) == 4 * n
+    assert max(rec.timeline.live) > 3 * 4 * n  # grads, AdamW state and its temporaries, all born here
+    assert _rss() - before < 1 << 30, f"RSS grew by {(_rss() - before) / 2**30:.2f} GiB"
+
+
+if __name__ == "__main__":  # accuracy table: python tests/test_fake.py
+    for case in CASES:
+        for precision in ("fp32", "bf16-mixed"):
+            (_, r), (_, f) = _real_and_fake(case, precision)
+            print(f"{case:8s} {precision:10s} CPU {r:>12,d}  fake {f:>12,d}  {(f - r) / r:+.3%}", file=sys.stderr)
