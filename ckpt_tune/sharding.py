@@ -158,11 +158,15 @@ def per_gpu_terms(
     return replace(terms, static=s.params + s.optimizer + s.gathered + max(extra, 0), measured={})
 
 
-def accumulate_moment(m: Moment, grad_bytes: int) -> Moment:
+def accumulate_moment(m: Moment, grad_bytes: int, in_flight: int = 0) -> Moment:
     """The moment in the 2nd..k-th micro-step of gradient accumulation: the summed gradients of the
-    earlier micro-steps are live through forward and backward (each new gradient is added in place)."""
-    if m.phase in ("forward", "backward"):
+    earlier micro-steps are live through forward and backward. In backward each new gradient is made,
+    then added in place and freed: `in_flight` (one autograd node's parameter gradients, e.g. a Linear's
+    weight and bias) is live on top of the sum."""
+    if m.phase == "forward":
         return replace(m, grads=max(grad_bytes, m.grads))
+    if m.phase == "backward":
+        return replace(m, grads=max(grad_bytes, m.grads) + in_flight)
     return m
 
 
@@ -207,13 +211,17 @@ class LoraPlan:
     # per adapted layer: (name, bytes of the rank-r intermediate lora_b saves, whether the profile
     # attributes the layer's input to the layer itself; one saved first by an earlier module is not)
     adapter_saves: tuple[tuple[str, int, bool], ...]
+    # the largest adapted layer's input: in backward its gradient arrives from two branches (base and
+    # adapter), one more input-sized tensor than before
+    branch_grad_bytes: int
     trainable_param_bytes: int  # trainable parameter bytes before the change
     optimizer_bytes: int  # optimizer state before the change
 
 
 def lora_moment(m: Moment, plan: LoraPlan) -> Moment:
     """Frozen base: only adapter parameters have gradients and optimizer state. Saved activations stay,
-    except the inputs of frozen unadapted layers; the adapters add their rank-r intermediates. The
+    except the inputs of frozen unadapted layers; the adapters add their rank-r intermediates, and in
+    backward one more input-sized gradient (two branches meet at each adapted layer's input). The
     optimizer step's scratch scales with the trainable bytes."""
     share = plan.adapter_param_bytes / plan.trainable_param_bytes if plan.trainable_param_bytes else 1.0
     live = dict(m.modules)
@@ -225,6 +233,8 @@ def lora_moment(m: Moment, plan: LoraPlan) -> Moment:
         added, dropped = 0, 0
     grads = {"forward": 0, "backward": min(m.grads, plan.adapter_param_bytes)}.get(m.phase, plan.adapter_param_bytes)
     other = round(m.other * share) if m.phase == "step" else m.other
+    if m.phase == "backward":
+        other += plan.branch_grad_bytes
     modules = tuple((n, b) for n, b in m.modules if n not in plan.frozen_saves)
     return replace(
         m,

@@ -90,9 +90,10 @@ def test_accumulation_keeps_the_summed_gradients_live_through_forward_and_backwa
     fwd = moment("forward", activations=1_000)
     bwd = moment("backward", grads=1_500, activations=400)
     step = moment("step", grads=G)
-    assert accumulate_moment(fwd, G).total == fwd.total + G
-    assert accumulate_moment(bwd, G).total == bwd.total - 1_500 + G
-    assert accumulate_moment(step, G) == step
+    assert accumulate_moment(fwd, G, in_flight=300).total == fwd.total + G
+    # backward: the sum, plus one node's new gradients before they are added in
+    assert accumulate_moment(bwd, G, in_flight=300).total == bwd.total - 1_500 + G + 300
+    assert accumulate_moment(step, G, in_flight=300) == step
 
 
 def test_eight_bit_state_follows_the_bitsandbytes_layout():
@@ -115,6 +116,7 @@ def test_lora_moment_keeps_adapters_only():
         frozen_saves=("head",),
         adapter_param_bytes=400,
         adapter_saves=(("blk.fc", 64, True),),
+        branch_grad_bytes=512,
         trainable_param_bytes=P,
         optimizer_bytes=OPT,
     )
@@ -124,6 +126,11 @@ def test_lora_moment_keeps_adapters_only():
     assert out.grads == 0
     assert out.optimizer == OPT * 400 // P  # state only for the adapters' 400 bytes
     assert out.activations == 3_000 - 1_000 + 64  # head's input no longer saved; the rank-4 intermediate added
+    bwd = moment("backward", grads=1_000, activations=2_000, other=300, modules=(("blk.fc", 2_000),))
+    b = lora_moment(bwd, plan)
+    assert b.grads == 400  # at most the adapters' gradients
+    assert b.activations == 2_000 + 64
+    assert b.other == 300 + 512  # the input gradient from the second branch
     step = moment("step", grads=G, other=1_000)
     s = lora_moment(step, plan)
     assert s.grads == 400
