@@ -304,6 +304,7 @@ class FakeRecorder:
         self._events: list[tuple[int, int, int]] = []  # (time, delta, key)
         self._markers: dict[str, list[int]] = {}
         self._live: dict[int, int] = {}  # key -> recorded bytes, for storages born while recording
+        self._raw: dict[int, int] = {}  # key -> the storage's nbytes when recorded (to see resize_)
         self._refs: dict[int, weakref.ref] = {}
         self._old: dict[int, weakref.ref] = {}  # storages born before recording, seen as op inputs
         self._mode: _Dispatch | None = None
@@ -336,6 +337,7 @@ class FakeRecorder:
                 timeline.remove_listener(self._marker)
             self._refs.clear()  # dropped weakrefs never call back
             self._old.clear()
+            self._raw.clear()
             if self._gc_was_enabled:
                 gc.enable()
         if exc[0] is None:
@@ -371,16 +373,18 @@ class FakeRecorder:
 
     def _alloc(self, st: torch.UntypedStorage, key: int, size: int | None) -> None:
         n = self._rounded(st.nbytes() if size is None else size)
-        if n <= 0:  # the CPU allocator reports nothing for empty tensors either
-            return
-        self._live[key] = n
+        self._live[key], self._raw[key] = n, st.nbytes()
         self._refs[key] = weakref.ref(st, functools.partial(self._free, key))
-        self._events.append((self._tick(), n, key))
+        if n > 0:  # kept even when empty, to see a later resize_; the allocator reports no empty blocks
+            self._events.append((self._tick(), n, key))
 
     def _free(self, key: int, _ref: Any = None) -> None:
         if self._active and key in self._live:
-            self._events.append((self._tick(), -self._live.pop(key), key))
+            n = self._live.pop(key)
+            if n > 0:
+                self._events.append((self._tick(), -n, key))
             self._refs.pop(key, None)
+            self._raw.pop(key, None)
 
     def _forget_old(self, key: int, _ref: Any = None) -> None:
         self._old.pop(key, None)
@@ -402,18 +406,22 @@ class FakeRecorder:
         return None
 
     def _see(self, t: torch.Tensor, args, kwargs, size: int | None) -> None:
+        if t.layout != torch.strided:  # sparse and other layouts have no single storage to follow
+            self.unmodelled[f"{t.layout} outputs"] = self.unmodelled.get(f"{t.layout} outputs", 0) + 1
+            return
         key = fake_storage_key(t)
         if key in self._live:
-            n = self._rounded(t.untyped_storage().nbytes())
-            if size is None and n != self._live[key]:  # resize_ of a storage born here
+            raw = t.untyped_storage().nbytes()
+            if raw != self._raw[key]:  # resize_ of a storage born here
+                n = self._rounded(raw)
                 self._events.append((self._tick(), n - self._live[key], key))
-                self._live[key] = n
+                self._live[key], self._raw[key] = n, raw
             return
         if key in self._old:
             return
         # An unseen storage that is also an input's (an in-place op or a view of an older tensor) is old.
         for a in tree_flatten((args, kwargs))[0]:
-            if isinstance(a, torch.Tensor) and fake_storage_key(a) == key:
+            if isinstance(a, torch.Tensor) and a.layout == torch.strided and fake_storage_key(a) == key:
                 self._old[key] = weakref.ref(t.untyped_storage(), functools.partial(self._forget_old, key))
                 return
         self._alloc(t.untyped_storage(), key, size)

@@ -193,6 +193,17 @@ def test_new_storages_are_allocations_and_their_death_frees():
     assert isinstance(a, FakeTensor)
 
 
+def test_resize_of_a_storage_born_while_recording_counts():
+    with fake.running(), FakeRecorder("cpu") as rec:
+        a = torch.empty(0)  # no block yet
+        b = torch.ones(4)  # +16
+        torch.add(b, 1, out=a)  # out= resizes a: +16
+        del a  # -16
+        torch.ones(3, 3).to_sparse()  # the dense ones: +36, -36; the sparse result: counted, not followed
+    assert rec.timeline.deltas == [16, 16, -16, 36, -36]
+    assert rec.unmodelled == {"torch.sparse_coo outputs": 1}
+
+
 def test_cuda_target_rounds_blocks_to_512_bytes():
     with fake.running(), FakeRecorder("cuda") as rec:
         a = torch.empty(10)  # 40 B -> one 512 B block
