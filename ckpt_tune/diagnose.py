@@ -19,10 +19,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from ckpt_tune.device import Budget, parse_budget, resolve_device
 from ckpt_tune.errors import CkptTuneError, NoFitError
+from ckpt_tune.memory_model import Terms
 from ckpt_tune.planner import min_peak, solve
 from ckpt_tune.profiler import OUTSIDE, StepProfile, build_profile, module_records, peak_phase
 from ckpt_tune.runner import Measurement, StepRunner, StepSettings
@@ -350,6 +352,18 @@ def diagnose(
     budget = parse_budget(vram, device, margin)
     model, runner, step = api._runner(t, settings)
     study = _Study(model, runner, step, t.spec, batch_size, budget, n, shard, lora_rank, progress)
+    try:
+        _run(api, study, runner)
+    except CkptTuneError as e:
+        if isinstance(e.__cause__, (MemoryError, torch.OutOfMemoryError)):
+            # the device cannot hold the step it is asked about: measure where memory is plentiful
+            raise CkptTuneError(e.message, "run diagnose with --device cpu: it measures the same step exactly, "
+                                "and the budget stays the GPU's") from e
+        raise
+    return study.result()
+
+
+def _run(api, study: _Study, runner) -> None:
     with api._user_errors("diagnosing"):
         with runner:
             study.start()
@@ -358,7 +372,6 @@ def diagnose(
         if not study.fits:  # remedies that run the step under other settings, each with its own runner
             study.mixed_precision()
             study.lora()
-    return study.result()
 
 
 class _Study:
@@ -458,16 +471,40 @@ class _Study:
             self._min_plan = (self.names(mp.choice), mp.cost)
         return self._min_plan
 
-    def compose(self, fn: Callable[[Moment], Moment]) -> tuple[Moment, tuple[str, ...], float]:
-        """A state-side remedy alone, or with the smallest-peak checkpoint plan when only that fits."""
+    def compose(
+        self, fn: Callable[[Moment], Moment], terms_fn: Callable[[Terms], Terms] | None = None
+    ) -> tuple[Moment, tuple[str, ...], float]:
+        """A state-side remedy alone; else with the cheapest checkpoint plan that fits with it (planned on
+        `terms_fn(terms)`, the remedy's change to the memory model, and checked on recorded moments);
+        else with the smallest-peak plan. (peak, plan, recompute fraction)"""
         alone = self.peak(self.moments(self.b), fn)
         if alone.total <= self.usable or not self.units:
             return alone, (), 0.0
+        if terms_fn is not None:
+            found = self.cheapest_plan(fn, terms_fn)
+            if found is not None:
+                return found
         names, cost = self.min_plan()
         both = self.peak(self.moments(self.b, names), fn)
         if both.total <= self.usable:
             return both, names, cost / self.searcher.step_ms(self.b)
         return alone, (), 0.0
+
+    def cheapest_plan(
+        self, fn: Callable[[Moment], Moment], terms_fn: Callable[[Terms], Terms]
+    ) -> tuple[Moment, tuple[str, ...], float] | None:
+        terms, costs = terms_fn(self.terms(self.b)), self.searcher.costs(self.b)
+        room = self.usable
+        for _ in range(4):
+            sol = solve(terms, costs, room)
+            if sol is None:
+                return None
+            names = self.names(sol.choice)
+            pk = self.peak(self.moments(self.b, names), fn)
+            if pk.total <= self.usable:
+                return pk, names, sol.cost / self.searcher.step_ms(self.b)
+            room -= pk.total - self.usable  # the model was optimistic here: tighten, as Searcher.search
+        return None
 
     def names(self, choice: tuple[int, ...]) -> tuple[str, ...]:
         """Module names of a planner choice (whole blocks, or a block's sub-module where the searcher offers one)."""
@@ -555,7 +592,9 @@ class _Study:
             return
         trainable = {p.untyped_storage().data_ptr(): p.numel() for p in self.model.parameters() if p.requires_grad}
         new = eight_bit_state_bytes(list(trainable.values()), opt)
-        pk, names, frac = self.compose(lambda m: eight_bit_moment(m, new))
+        start = self.raw[(self.b, ())][0]
+        saved = self.per_gpu(start).optimizer - self.per_gpu(eight_bit_moment(start, new)).optimizer
+        pk, names, frac = self.compose(lambda m: eight_bit_moment(m, new), lambda t: replace(t, static=t.static - saved, measured={}))
         name = {"adamw": "AdamW8bit", "adam": "Adam8bit", "sgd-momentum": "SGD8bit"}[opt]
         title = f"8-bit optimizer state (bitsandbytes.optim.{name})"
         if names:
@@ -636,16 +675,21 @@ class _Study:
                 if pk.total <= self.usable:
                     found = (n, pk, (), 0.0)
                     break
-            if self.units and (found is None or found[0] > WORLD_SIZES[0]):
+                if not self.units:
+                    continue
                 names, cost = self.min_plan()
-                raws = self.moments(self.b, names)
-                for n in WORLD_SIZES:
-                    if found is not None and n >= found[0]:
-                        break
-                    pk = at(raws, n)
-                    if pk.total <= self.usable:
-                        found = (n, pk, names, cost / self.searcher.step_ms(self.b))
-                        break
+                smallest = at(self.moments(self.b, names), n)
+                if smallest.total <= self.usable:  # some plan fits at this world size: take the cheapest
+                    cheap = self.cheapest_plan(
+                        lambda m, n=n, stage=stage: shard_moment(m, n, stage, self.gathered),
+                        lambda t, n=n, stage=stage: per_gpu_terms(
+                            t, self.prof.param_bytes, self.prof.optimizer_bytes, n, stage, self.gathered),
+                    )
+                    if cheap is not None:
+                        found = (n, cheap[0], cheap[1], cheap[2])
+                    else:
+                        found = (n, smallest, names, cost / self.searcher.step_ms(self.b))
+                    break
             if found is None:
                 found = (WORLD_SIZES[-1], at(base, WORLD_SIZES[-1]), (), 0.0)
             n, pk, names, frac = found

@@ -165,7 +165,8 @@ def render_diagnosis(d) -> None:
     elif d.floor is not None and not d.floor.fits:
         err.print(
             f"[bold red]even {escape(d.floor.title)} the step peaks at {format_bytes(d.floor.peak_bytes)}[/bold red] "
-            f"({escape(d.floor.peak_where)}); weights + gradients + optimizer state are {format_bytes(states)}"
+            f"({escape(d.floor.peak_where)}) against a {format_bytes(b.usable_bytes)} budget; weights + gradients + "
+            f"optimizer state are {format_bytes(states)} of it"
         )
     color = "green" if d.fits else "red"
     err.print(f"[bold {color}]{escape(summarize(d))}[/bold {color}]")

@@ -167,18 +167,16 @@ def module_bars_svg(d: Diagnosis, top: int = 12, width: int = 1060) -> str:
     """Saved activations by module (own bytes), with the part still live at the peak in a darker shade."""
     prof = d.profile
     live = dict(d.peak.modules) if d.world_size == 1 else {}
-    rows = sorted((m for m in prof.modules if m.activation_bytes), key=lambda m: -m.activation_bytes)[:top]
-    if prof.unattributed_activation_bytes and len(rows) < top:
-        rows.append(None)  # the loss and code outside every module
+    rows = [(m.name or "(root)", m.activation_bytes, live.get(m.name, 0)) for m in prof.modules if m.activation_bytes]
+    if prof.unattributed_activation_bytes:  # the loss and code outside every module: often the largest
+        rows.append((OUTSIDE, prof.unattributed_activation_bytes, live.get("", 0)))
+    rows = sorted(rows, key=lambda r: -r[1])[:top]
     if not rows:
         return '<p class="muted">nothing saved for backward</p>'
-    biggest = max([m.activation_bytes for m in rows if m] + [prof.unattributed_activation_bytes])
+    biggest = rows[0][1]
     label_w, bar_w, rh = 260, width - 260 - 120, 22
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{rh * len(rows) + 8}">']
-    for i, m in enumerate(rows):
-        name = (m.name if m else OUTSIDE) or "(root)"
-        total = m.activation_bytes if m else prof.unattributed_activation_bytes
-        now = live.get(m.name if m else "", 0)
+    for i, (name, total, now) in enumerate(rows):
         yy = 4 + i * rh
         w_total, w_now = bar_w * total / biggest, bar_w * min(now, total) / biggest
         out.append(f'<text x="{label_w - 8}" y="{yy + 14}" text-anchor="end" font-size="12" fill="#24292f">{escape(name[:38])}</text>')

@@ -275,3 +275,24 @@ def test_usage_errors_exit_2(monkeypatch, capsys, target):
 def test_no_fit_error_is_none_when_a_same_setup_remedy_fits(tight):
     assert any(r.fits and r.keeps_setup for r in tight.remedies)
     assert no_fit_error(tight) is None
+
+
+@pytest.mark.parametrize(("name", "micro", "steps"), [("cnn_bn", 4, 2), ("vit_dropout", 2, 4), ("lstm_tied", 4, 2), ("unet_skips", 3, 2)])
+def test_accumulation_prediction_on_other_models(name, micro, steps):
+    """The micro-batch remedy's arithmetic (a recorded micro-step + the summed gradients + one layer's new
+    gradients in flight) against a real accumulation loop, on models with BatchNorm, dropout, an LSTM
+    with a tied weight, and U-Net skips."""
+    from ckpt_tune.diagnose import moments_of
+    from ckpt_tune.runner import StepRunner
+    from ckpt_tune.sharding import accumulate_moment
+
+    fx = ZOO[name]
+    model = fx.build()
+    with StepRunner(model, fx.make_batch, fx.loss_fn) as r:
+        m = r.measure(micro, attribute=True)
+    in_flight = max(sum(p.numel() * p.element_size() for p in mod.parameters(recurse=False) if p.requires_grad) for mod in model.modules())
+    predicted = peak_of(accumulate_moment(x, m.grad_bytes, in_flight) for x in moments_of(m)).total
+    truth = accumulation_peak(fx.build, fx.make_batch, fx.loss_fn, micro, steps)
+    err = (predicted - truth) / truth
+    assert abs(err) <= TOLERANCE, f"{name}: predicted {predicted}, measured {truth} ({err:+.2%})"
+    assert predicted >= truth, f"{name}: the in-flight bound should keep the prediction on the safe side ({err:+.2%})"

@@ -141,3 +141,21 @@ def test_offload_keeps_one_block_of_activations():
     m = moment("forward", activations=10_000, other=7)
     assert offload_moment(m, 2_500).total == P + OPT + 2_500 + 7
     assert offload_moment(m, 20_000) == m
+
+
+def test_moments_from_a_profile_record_alone():
+    from ckpt_tune.profiler import profile_model
+    from ckpt_tune.sharding import moments_from_profile
+    from tests.fixtures.models import ZOO
+
+    fx = ZOO["mlp_blocks"]
+    prof = profile_model(fx.build(), fx.make_batch, fx.loss_fn, 8, scaling=False)
+    moments = moments_from_profile(prof)
+    assert peak_of(moments).total == prof.peak_bytes  # the peak comes from the breakdown, exactly
+    b = prof.breakdown
+    assert peak_of(moments).activations == b.activations
+    phases = {m.phase for m in moments}
+    assert {"start", "forward", "backward", "step"} <= phases
+    for m in moments:
+        assert m.total <= prof.peak_bytes
+        assert m.params == prof.param_bytes
