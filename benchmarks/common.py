@@ -1,0 +1,379 @@
+"""Shared pieces of the benchmarks: the example targets, an independent ground-truth harness, timing,
+and the writer of `results/<name>.json` / `<name>.md`.
+
+Ground truth never comes from ckpt-tune itself. `measured_peak` is adapted from tests/harness.py and
+shares no code with ckpt_tune.runner: a freshly built model, the profiler started before the warm-up
+iteration (so gradients, optimizer state, the batch and activations are all seen from their allocation
+on), gc collected before and disabled during, and the peak of the measured iteration is the bytes of
+parameters and buffers plus the largest running sum of the CPU allocator's `[memory]` events inside it
+(DESIGN.md §3). Checkpointing is applied by this file's own wrappers, not by ckpt_tune.apply.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import importlib.util
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the profiler warns about pre-existing blocks
+
+import torch
+import torch.utils.checkpoint as cp
+from torch import nn
+from torch.profiler import ProfilerActivity, profile, record_function
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+MARK = "bench::measured"
+MiB = 1 << 20
+
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+# -- targets -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Example:
+    """An example target: its spec for ckpt-tune and its own build/make_batch/loss_fn for the harness."""
+
+    name: str
+    spec: str  # what a user passes to ckpt-tune, relative to the repository root
+    build: Callable[[], nn.Module]
+    make_batch: Callable[[int], Any]
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor]
+
+
+def _import(path: Path):
+    spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def example(name: str) -> Example:
+    mod = _import(ROOT / "examples" / f"{name}.py")
+    return Example(name, f"examples/{name}.py:build", mod.build, mod.make_batch, mod.loss_fn)
+
+
+EXAMPLES = ("gpt", "resnet", "unet", "hf_gpt2")
+
+
+# -- checkpoint wrappers (independent of ckpt_tune.apply) ------------------------------------------
+def wrap_blocks(model: nn.Module, names: Sequence[str]) -> None:
+    """Wrap each named module with plain non-reentrant checkpoint (one unit per module)."""
+    for name in names:
+        mod = model.get_submodule(name)
+        inner = mod.forward
+
+        def fwd(*args, _inner=inner, **kwargs):
+            return cp.checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        mod.forward = fwd
+
+
+class _Segment:
+    """Blocks run back to back under ONE non-reentrant checkpoint: only the segment's input is kept.
+
+    Each block gets the previous block's hidden state plus the extra arguments the caller passed to the
+    first (Hugging Face blocks take attention masks etc., the same for every layer). The output has the
+    form of the last block's output (a tensor, or a tuple whose first entry is the hidden state)."""
+
+    def __init__(self, blocks: list[nn.Module], checkpointed: bool) -> None:
+        self.blocks = blocks
+        self.forwards = [type(b).forward.__get__(b) for b in blocks]  # the class forwards, before rewiring
+        self.checkpointed = checkpointed
+        self.returns_tuple = False
+
+    def _run(self, x, *args, **kwargs):
+        out = x
+        for fwd in self.forwards:
+            out = fwd(x, *args, **kwargs)
+            x = out[0] if isinstance(out, tuple) else out
+        return out
+
+    def __call__(self, x, *args, **kwargs):
+        if self.checkpointed and torch.is_grad_enabled():
+            out = cp.checkpoint(self._run, x, *args, use_reentrant=False, **kwargs)
+        else:
+            out = self._run(x, *args, **kwargs)
+        self.returns_tuple = isinstance(out, tuple)
+        return out
+
+    def passthrough(self, x, *args, **kwargs):
+        return (x,) if self.returns_tuple else x
+
+
+def wrap_segments(model: nn.Module, units: Sequence[str], segments: Sequence[tuple[int, int]], checkpoint: Sequence[bool]) -> None:
+    """Run each [start, end) range of `units` as one segment, checkpointed as ONE unit where asked.
+
+    The first block of a segment runs the whole segment (its own hooks still fire once); the others
+    pass their input through. Valid only where nothing but the blocks runs between the first and the
+    last block of a segment: GPT, HF GPT-2 and ResNet, not the U-Net, whose forward pools and keeps skips
+    between stages (SEGMENT_CHAIN_OK)."""
+    for (start, end), ck in zip(segments, checkpoint, strict=True):
+        mods = [model.get_submodule(u) for u in units[start:end]]
+        seg = _Segment(mods, ck)
+        mods[0].forward = seg.__call__
+        for m in mods[1:]:
+            m.forward = seg.passthrough
+
+
+SEGMENT_CHAIN_OK = {"gpt": True, "hf_gpt2": True, "resnet": True, "unet": False}
+
+
+def sqrt_segments(n: int) -> list[tuple[int, int]]:
+    """checkpoint_sequential's split of n blocks into round(sqrt(n)) segments of near-equal length."""
+    k = max(1, round(n**0.5))
+    size = -(-n // k)
+    return [(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+# -- the harness ----------------------------------------------------------------------------------------
+def _optimizer(params, name: str):
+    if name == "none" or not params:
+        return None
+    return {
+        "adamw": lambda: torch.optim.AdamW(params, lr=1e-3),
+        "adam": lambda: torch.optim.Adam(params, lr=1e-3),
+        "sgd": lambda: torch.optim.SGD(params, lr=1e-3),
+        "sgd-momentum": lambda: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
+    }[name]()
+
+
+def measured_peak(
+    ex: Example,
+    batch_size: int,
+    checkpoint: Sequence[str] = (),
+    wrap: Callable[[nn.Module], None] | None = None,
+    optimizer: str = "adamw",
+    steps: int = 2,
+) -> int:
+    """Peak live bytes of the steady-state iterations (2..steps) of a freshly built model.
+
+    `checkpoint`: module names wrapped one by one; `wrap`: any other rewrite of the fresh model."""
+    model = ex.build()
+    model.train()
+    if checkpoint:
+        wrap_blocks(model, checkpoint)
+    if wrap is not None:
+        wrap(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    before = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()]}
+    gc.collect()
+    gc.disable()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            opt = _optimizer(params, optimizer)
+            for i in range(steps):
+                if i == 1:
+                    with record_function(MARK):
+                        pass
+                for p in params:
+                    p.grad = None
+                batch = ex.make_batch(batch_size)
+                loss = ex.loss_fn(model, batch)
+                loss.backward()
+                if opt is not None:
+                    opt.step()
+                del loss, batch
+    finally:
+        gc.enable()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() in ("[memory]", MARK)]
+    events.sort(key=lambda e: e.start_ns())
+    live, peak, started = 0, 0, False
+    for e in events:
+        if e.name() == MARK:
+            started, peak = True, live
+            continue
+        if e.device_type() == torch.autograd.DeviceType.CPU:
+            live += e.nbytes()
+        if started:
+            peak = max(peak, live)
+    del prof, model, opt, params
+    gc.collect()
+    return sum(before.values()) + peak
+
+
+# -- timing -------------------------------------------------------------------------------------------
+class TimedModel:
+    """One model instance with its own optimizer, for interleaved step timing of several plans."""
+
+    def __init__(self, ex: Example, checkpoint: Sequence[str] = (), wrap: Callable[[nn.Module], None] | None = None) -> None:
+        self.ex = ex
+        self.model = ex.build()
+        self.model.train()
+        if checkpoint:
+            wrap_blocks(self.model, checkpoint)
+        if wrap is not None:
+            wrap(self.model)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = _optimizer(params, "adamw")
+        self.params = params
+
+    def step(self, batch_size: int) -> float:
+        for p in self.params:
+            p.grad = None
+        t0 = time.perf_counter()
+        batch = self.ex.make_batch(batch_size)
+        loss = self.ex.loss_fn(self.model, batch)
+        loss.backward()
+        self.opt.step()
+        return time.perf_counter() - t0
+
+
+def interleaved_times(models: dict[Any, TimedModel], batch_size: int | dict[Any, int], repeats: int) -> dict[Any, float]:
+    """Median step seconds per plan; plans alternate within each repeat so machine load hits all alike.
+
+    `batch_size`: one for all, or one per key."""
+    sizes = batch_size if isinstance(batch_size, dict) else dict.fromkeys(models, batch_size)
+    for k, m in models.items():
+        m.step(sizes[k])  # warm-up: optimizer state, allocator caches
+    times: dict[Any, list[float]] = {k: [] for k in models}
+    for r in range(repeats):
+        order = list(models) if r % 2 == 0 else list(reversed(models))
+        for k in order:
+            times[k].append(models[k].step(sizes[k]))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+# -- results ------------------------------------------------------------------------------------------
+def machine() -> dict[str, str]:
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "uname": " ".join(platform.uname()),
+        "nproc": str(os.cpu_count()),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": str(torch.get_num_threads()),
+        "load_avg": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "git": _git_head(),
+    }
+
+
+def _git_head() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def command() -> str:
+    return ".venv/bin/python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
+
+
+def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def write_results(name: str, title: str, data: dict[str, Any], body_md: str) -> None:
+    """Write results/<name>.json and results/<name>.md with the machine and the command."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    info = machine()
+    cmd = command()
+    (RESULTS / f"{name}.json").write_text(json.dumps({"benchmark": name, "command": cmd, "machine": info, **data}, indent=2, default=str) + "\n")
+    head = [
+        f"# {title}",
+        "",
+        f"- command: `{cmd}`",
+        f"- date: {info['date']}",
+        f"- machine: `{info['uname']}`, {info['nproc']} CPUs, load average at the end {info['load_avg']}",
+        f"- torch {info['torch']}, Python {info['python']}, {info['threads']} torch threads, commit {info['git']}",
+        "",
+        "",
+    ]
+    (RESULTS / f"{name}.md").write_text("\n".join(head) + body_md.rstrip() + "\n")
+    print(f"wrote {RESULTS / (name + '.json')} and .md", file=sys.stderr)
+
+
+def mib(b: float) -> str:
+    return f"{b / MiB:.1f}"
+
+
+def pct(x: float) -> str:
+    s = f"{100 * x:+.2f}%"
+    return "0.00%" if s in ("+0.00%", "-0.00%") and x == 0 else s
+
+
+# -- ckpt-tune's side ---------------------------------------------------------------------------------
+def tool_searcher(spec: str, device: str = "cpu"):
+    """A ckpt_tune Searcher on a freshly built target, as `api.search` sets one up (entered runner)."""
+    from ckpt_tune import loader
+    from ckpt_tune.runner import StepRunner, StepSettings
+    from ckpt_tune.search import Searcher
+
+    target = loader.load_target(spec)
+    model = loader.build_model(target).to(device)
+    runner = StepRunner(
+        model,
+        lambda b: loader.make_batch(target, b, device),
+        lambda m, batch: loader.compute_loss(target, m, batch),
+        StepSettings(device=device),
+    )
+    runner.__enter__()
+    return Searcher(runner)
+
+
+def block_sizes(ex: Example, units: Sequence[str], batch_size: int) -> tuple[list[int], list[int]]:
+    """Per unit: bytes it saves for backward when run normally, and its input bytes (one forward).
+
+    What a user would read off a profiler; measured here with saved-tensor hooks, storages counted once,
+    parameters excluded, each saved tensor charged to the innermost running unit."""
+    model = ex.build()
+    model.train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = [0] * len(units)
+    inputs = [0] * len(units)
+    seen: set[int] = set()
+    stack: list[int] = []
+    handles = []
+
+    def tensors(obj):
+        if isinstance(obj, torch.Tensor):
+            yield obj
+        elif isinstance(obj, (list, tuple)):
+            for o in obj:
+                yield from tensors(o)
+        elif isinstance(obj, dict):
+            for o in obj.values():
+                yield from tensors(o)
+
+    for i, u in enumerate(units):
+        mod = model.get_submodule(u)
+
+        def pre(m, args, kwargs, i=i):
+            stack.append(i)
+            inputs[i] = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors((args, kwargs))}.values())
+
+        def post(m, args, kwargs, out):
+            stack.pop()
+
+        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(mod.register_forward_hook(post, with_kwargs=True))
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if stack and ptr not in params and ptr not in seen:
+            seen.add(ptr)
+            saved[stack[-1]] += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = ex.loss_fn(model, ex.make_batch(batch_size))
+    del loss
+    for h in handles:
+        h.remove()
+    return saved, inputs
