@@ -366,9 +366,11 @@ def diagnose(
 def _run(api, study: _Study, runner) -> None:
     with api._user_errors("diagnosing"):
         with runner:
+            study.recording = True
             study.start()
             if not study.fits:
                 study.single_gpu_remedies()
+            study.recording = False
         if not study.fits:  # remedies that run the step under other settings, each with its own runner
             study.mixed_precision()
             study.lora()
@@ -390,11 +392,14 @@ class _Study:
         self.floor: Remedy | None = None
         self.gathered = 0
         self._min_plan: tuple[tuple[str, ...], float] | None = None
+        self.recording = False  # True while self.runner is open
 
     # -- recorded steps ---------------------------------------------------------------------------
     def moments(self, b: int, names: tuple[str, ...] = ()) -> tuple[Moment, ...]:
         key = (b, tuple(names))
         if key not in self.raw:
+            if not self.recording:  # the runner's optimizer is gone once it closed: a record now would be wrong
+                raise RuntimeError(f"diagnose: batch {b} with {names} was not recorded while the runner was open")
             self.say(f"recording batch {b}" + (f", {len(names)} blocks checkpointed" if names else ""))
             self.raw[key] = moments_of(self.runner.measure(b, checkpoint=list(names), attribute=True))
         return self.raw[key]
@@ -526,8 +531,8 @@ class _Study:
         self.offload()
         if self.n == 1:
             self.sharding()
-        if self.units:
-            self.min_plan()  # measured now, while the searcher's runner is open: LoRA may compose with it
+        if self.units:  # recorded now, while the searcher's runner is open: LoRA's estimate composes with it
+            self.moments(self.b, self.min_plan()[0])
 
     def checkpoint(self, basis: str) -> None:
         names, cost, pk = self.fit_plan(self.b)
@@ -621,10 +626,9 @@ class _Study:
             pk = self._lora_peak(plan, ())
             names, frac = (), 0.0
             if pk.total > self.usable and self.units:
-                both_names, cost = self.min_plan()
-                both = self._lora_peak(plan, both_names)
-                if both.total <= self.usable:
-                    pk, names, frac = both, both_names, cost / self.searcher.step_ms(self.b)
+                found = self._lora_with_plan(plan)
+                if found is not None:
+                    pk, names, frac = found
         except Exception as e:  # a model whose code reads the wrapped layers' attributes directly
             pk, basis = estimate, "predicted (arithmetic)"
             self.notes.append(f"LoRA could not be applied for a recorded step ({type(e).__name__}: {e}); arithmetic estimate shown")
@@ -641,6 +645,29 @@ class _Study:
             config={"lora_rank": plan.rank, "adapted": list(plan.adapted), "checkpoint": list(names),
                     "arithmetic_estimate_bytes": estimate.total},
         ))
+
+    def _lora_with_plan(self, plan: LoraPlan) -> tuple[Moment, tuple[str, ...], float] | None:
+        """The cheapest checkpoint plan that fits with the adapters: planned on terms whose static part
+        loses the frozen weights' optimizer state (gradients are left in: the safe side), each candidate
+        recorded with the adapters applied; else the smallest-peak plan if that fits."""
+        start = self.raw[(self.b, ())][0]
+        before, after = self.per_gpu(start), self.per_gpu(lora_moment(start, plan))
+        saved = before.params + before.optimizer - after.params - after.optimizer
+        terms, costs = replace(self.terms(self.b), measured={}), self.searcher.costs(self.b)
+        terms = replace(terms, static=terms.static - saved)
+        step, room = self.searcher.step_ms(self.b), self.usable
+        for _ in range(3):
+            sol = solve(terms, costs, room)
+            if sol is None:
+                break
+            names = self.names(sol.choice)
+            pk = self._lora_peak(plan, names)
+            if pk.total <= self.usable:
+                return pk, names, sol.cost / step
+            room -= pk.total - self.usable
+        names, cost = self.min_plan()
+        pk = self._lora_peak(plan, names)
+        return (pk, names, cost / step) if pk.total <= self.usable else None
 
     def _lora_peak(self, plan: LoraPlan, names: tuple[str, ...]) -> Moment:
         self.say("recording with LoRA adapters" + (f", {len(names)} blocks checkpointed" if names else ""))
