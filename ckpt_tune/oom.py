@@ -170,7 +170,7 @@ def classify(msg: OomMessage) -> OomDiagnosis:
         cause = "fragmentation"
         pieces = "the allocator's cached pieces alone" if pieces_hold else "free memory and the allocator's cached pieces together"
         summary = (
-            f"fragmentation: {fmt(u)} is reserved but unallocated and {fmt(f)} free, yet the {fmt(r)} request "
+            f"{fmt(u)} is reserved but unallocated and {fmt(f)} free, yet the {fmt(r)} request "
             f"found no contiguous block; {pieces} would hold it"
         )
         recs.append(f"set {EXPANDABLE} before the process starts (the allocator then grows one segment and reuses split pieces)")
@@ -188,7 +188,7 @@ def classify(msg: OomMessage) -> OomDiagnosis:
         recs.append("check other processes on the GPU (nvidia-smi) and the container's memory limits")
     else:
         cause = "shortage"
-        summary = f"a real shortage: {fmt(shortfall)} more is needed even if every free piece were joined"
+        summary = f"{fmt(shortfall)} more is needed even if every free piece were joined"
         if u >= LARGE_WASTE_SHARE * t:
             summary += f"; fragmentation wastes another {fmt(u)}"
             recs.append(f"{EXPANDABLE} recovers the {fmt(u)} of cached pieces, but the step still needs {fmt(shortfall)} less")

@@ -100,3 +100,20 @@ def test_free_memory_enough_is_not_called_a_shortage():
 def test_no_message_is_a_clear_error():
     with pytest.raises(CkptTuneError, match="no PyTorch out-of-memory message"):
         parse_oom("Traceback: ValueError: shapes do not match")
+
+
+# Written in the allocator's own format (c10/cuda/CUDACachingAllocator.cpp) for a process capped with
+# torch.cuda.set_per_process_memory_fraction: the "allowed" part appears only then.
+CAPPED = (
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 512.00 MiB. GPU 0 has a total capacity of "
+    "79.19 GiB of which 70.00 GiB is free. 8.00 GiB allowed; Of the allocated memory 7.50 GiB is allocated by "
+    "PyTorch, and 100.00 MiB is reserved by PyTorch but unallocated."
+)
+
+
+def test_per_process_cap():
+    d = diagnose_oom(CAPPED)
+    assert d.message.allowed == 8 * GiB
+    # 7.50 GiB + 100 MiB reserved + 512 MiB asked = 8.10 GiB > the 8 GiB cap, with 70 GiB free on the card
+    assert d.cause == "capped"
+    assert "--vram 8.00GiB" in d.recommendations[0]
