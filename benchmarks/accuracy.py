@@ -65,7 +65,7 @@ def run_model(name: str, batches: tuple[int, ...]) -> tuple[list[dict], list[dic
         if sol is not None:
             plans.append(("planner @ midpoint", sol.choice))
         for label, choice in plans:
-            names = [u for u, c in zip(units, choice, strict=True) if c]
+            names = list(t.names(choice))
             measured = measured_peak(ex, b, checkpoint=names)
             pred, fit = predict(t, choice), predict(fitted, choice)
             row = {

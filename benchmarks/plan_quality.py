@@ -1,0 +1,296 @@
+"""Plan quality: checkpoint plans from several methods under the same budgets, measured side by side.
+
+For each example at a fixed batch, four budgets between the harness-measured peaks of every-block
+checkpointing and of no checkpointing (20/40/60/80% of the way up). Methods:
+
+- no checkpointing; every block checkpointed (one unit per block);
+- `checkpoint_sequential`-style: round(sqrt(n)) segments of consecutive blocks, each segment ONE
+  checkpoint, all but the last segment checkpointed (Chen et al. 2016's sqrt(n) spacing);
+- Chen et al. 2016's greedy budget heuristic ("Training Deep Nets with Sublinear Memory Cost", §4.3):
+  walk the blocks accumulating their saved bytes, close a segment when the sum passes B; over a grid of
+  B (every contiguous run's sum), take the plan with the fewest recomputed blocks whose x + y memory
+  estimate (Chen's: the largest recomputed segment plus the stored segment inputs, on top of the
+  no-checkpointing peak less all block activations) fits the budget;
+- the brute-force optimum of ckpt-tune's memory model over its candidates (`planner.brute_force`);
+- PyTorch's `torch.distributed._tools.sac_ilp`, where it runs (it does not here: see the results);
+- ckpt-tune's planner as `search --batch-size B --vram BUDGET` runs it: solve, verify, tighten.
+
+Every plan's peak is measured by the independent harness (common.measured_peak, own wrappers); recompute
+overhead is the median step time with the plan over the median without, all plans of a model timed in
+the same process with interleaved repeats.
+
+    .venv/bin/python benchmarks/plan_quality.py [--models gpt,resnet] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from benchmarks.common import (
+    EXAMPLES,
+    SEGMENT_CHAIN_OK,
+    TimedModel,
+    block_sizes,
+    example,
+    interleaved_times,
+    md_table,
+    measured_peak,
+    mib,
+    sqrt_segments,
+    tool_searcher,
+    wrap_blocks,
+    wrap_segments,
+)
+from benchmarks.common import write_results as write
+from ckpt_tune.errors import NoFitError
+from ckpt_tune.planner import brute_force
+
+BATCH = {"gpt": 8, "resnet": 16, "unet": 8, "hf_gpt2": 2}
+FRACTIONS = (0.2, 0.4, 0.6, 0.8)
+BRUTE_MAX = 10  # blocks; 2^10 predictions
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """A plan as this benchmark applies it: single blocks, or segments each checkpointed as one unit."""
+
+    names: tuple[str, ...] = ()  # blocks wrapped one by one
+    segments: tuple[tuple[int, int], ...] = ()  # [start, end) over the units, run as one unit each
+    ck: tuple[bool, ...] = ()  # which segments are checkpointed
+
+    def wrap(self, units: tuple[str, ...]):
+        if self.segments:
+            return lambda m: wrap_segments(m, units, self.segments, self.ck)
+        if self.names:
+            return lambda m: wrap_blocks(m, self.names)
+        return None
+
+    def describe(self, units: tuple[str, ...]) -> str:
+        if self.segments:
+            parts = [f"[{s}-{e - 1}]{'*' if c else ''}" for (s, e), c in zip(self.segments, self.ck, strict=True)]
+            return " ".join(parts)
+        if not self.names:
+            return "-"
+        return "{" + ",".join(_short(n, units) for n in self.names) + "}"
+
+
+def _short(name: str, units: tuple[str, ...]) -> str:
+    """Block index, or index.sub-module for a finer option (e.g. `3.attn`)."""
+    if name in units:
+        return str(units.index(name))
+    owner = max((u for u in units if name.startswith(u + ".")), key=len)
+    return f"{units.index(owner)}.{name[len(owner) + 1:]}"
+
+
+def segment_plan(segments: list[tuple[int, int]]) -> PlanSpec:
+    """Checkpoint every segment but the last: checkpointing the last never lowers the peak."""
+    return PlanSpec(segments=tuple(segments), ck=tuple(i < len(segments) - 1 for i in range(len(segments))))
+
+
+def chen_segments(abar: list[int], b: float) -> list[tuple[int, int]]:
+    """Chen et al. 2016, §4.3: accumulate block sizes; when the running sum passes B, that block's output
+    becomes a stored checkpoint and a new segment starts."""
+    segs, start, temp = [], 0, 0
+    for i, a in enumerate(abar):
+        temp += a
+        if temp > b:
+            segs.append((start, i + 1))
+            start, temp = i + 1, 0
+    if start < len(abar):
+        segs.append((start, len(abar)))
+    return segs
+
+
+def chen_estimate(segs: list[tuple[int, int]], abar: list[int], ain: list[int], p_none: int) -> int:
+    """Chen's x + y: stored segment inputs (y) plus the largest recomputed segment (x), on a base of the
+    no-checkpointing peak without the blocks' activations; the last segment keeps its activations."""
+    base = p_none - sum(abar)
+    ck = segs[:-1]
+    y = sum(ain[s] for s, _ in ck)
+    x = max((sum(abar[s:e]) for s, e in ck), default=0)
+    kept = sum(sum(abar[s:e]) for s, e in segs[-1:])
+    return base + kept + y + x
+
+
+def chen_plan(abar: list[int], ain: list[int], p_none: int, budget: int) -> tuple[PlanSpec, int]:
+    n = len(abar)
+    grid = sorted({0, *(sum(abar[s:e]) for s in range(n) for e in range(s + 1, n + 1))})
+    cands = []
+    for b in grid:
+        segs = chen_segments(abar, b)
+        est = chen_estimate(segs, abar, ain, p_none)
+        recomputed = sum(e - s for s, e in segs[:-1])
+        cands.append((est > budget, recomputed if est <= budget else est, est, segs))
+    _, _, est, segs = min(cands, key=lambda c: (c[0], c[1], c[2]))
+    return segment_plan(segs), est
+
+
+def try_sac_ilp() -> str | None:
+    """None if torch's SAC ILP pipeline can run here, else why not (every blocker found)."""
+    why = []
+    try:
+        importlib.import_module("torch.distributed._tools.sac_ilp")
+    except ImportError as e:
+        why.append(f"`import torch.distributed._tools.sac_ilp` fails: {e} (the MILP is written for PuLP/CBC)")
+    try:
+        importlib.import_module("pwlf")
+    except ImportError:
+        why.append("SACEstimator.pwlf_sac_tradeoff_curve needs `pwlf` (not installed)")
+    if not torch.cuda.is_available():
+        why.append(
+            "RuntimeEstimator, which feeds the ILP's recompute times, needs CUDA in both modes "
+            "('operator-level-benchmark' times with torch.cuda.Event, 'operator-level-cost-model' asserts "
+            "torch.cuda.is_available())"
+        )
+    return "; ".join(why) or None
+
+
+def run_model(name: str, repeats: int) -> dict:
+    ex = example(name)
+    b = BATCH[name]
+    s = tool_searcher(ex.spec)
+    s.order_units(b)
+    units = s.units
+    n = len(units)
+    t0 = time.perf_counter()
+    peaks: dict[PlanSpec, int] = {}
+
+    def peak(p: PlanSpec) -> int:
+        if p not in peaks:
+            peaks[p] = measured_peak(ex, b, wrap=p.wrap(units))
+        return peaks[p]
+
+    none, every = PlanSpec(), PlanSpec(names=units)
+    p_none, p_all = peak(none), peak(every)
+    budgets = [int(p_all + f * (p_none - p_all)) for f in FRACTIONS]
+    print(f"{name}: batch {b}, {n} blocks, none {mib(p_none)} MiB, every block {mib(p_all)} MiB", flush=True)
+    abar, ain = block_sizes(ex, units, b)
+    fixed = {"no checkpointing": none, "every block": every}
+    if SEGMENT_CHAIN_OK[name]:
+        fixed["sqrt(n) segments"] = segment_plan(sqrt_segments(n))
+    per_budget: list[dict] = []
+    for frac, budget in zip(FRACTIONS, budgets, strict=True):
+        entry: dict = {"fraction": frac, "budget_bytes": budget, "plans": {}}
+        for label, p in fixed.items():
+            entry["plans"][label] = {"plan": p}
+        if SEGMENT_CHAIN_OK[name]:
+            p, est = chen_plan(abar, ain, p_none, budget)
+            entry["plans"]["Chen greedy"] = {"plan": p, "estimate_bytes": est}
+        t, costs = s.terms(b), s.costs(b)
+        if n <= BRUTE_MAX:
+            bf = brute_force(t, costs, budget)
+            entry["plans"]["brute force (model)"] = (
+                {"plan": PlanSpec(names=bf.names(t)), "predicted_bytes": bf.peak} if bf else {"plan": None, "note": "nothing fits the model"}
+            )
+        try:
+            res = s.search(budget, batch_size=b)
+            entry["plans"]["ckpt-tune"] = {"plan": PlanSpec(names=res.checkpoint), "predicted_bytes": res.predicted_peak,
+                                           "verified_bytes": res.verified_peak, "predicted_overhead": res.recompute_fraction}
+        except NoFitError as e:
+            entry["plans"]["ckpt-tune"] = {"plan": None, "note": f"NoFitError: {e.message}"}
+        for v in entry["plans"].values():
+            if v["plan"] is not None:
+                v["measured_bytes"] = peak(v["plan"])
+                v["fits"] = v["measured_bytes"] <= budget
+        per_budget.append(entry)
+        print(f"  budget {mib(budget)} MiB: " + ", ".join(
+            f"{k} {v['plan'].describe(units) if v['plan'] else '-'} {mib(v.get('measured_bytes', 0))}{'' if v.get('fits') else ' OVER'}"
+            for k, v in entry["plans"].items()), flush=True)
+    s.runner.__exit__(None, None, None)
+    # time every distinct plan against no checkpointing, interleaved
+    plans = list(dict.fromkeys(v["plan"] for e in per_budget for v in e["plans"].values() if v["plan"] is not None))
+    models: dict = {p: TimedModel(ex, wrap=p.wrap(units)) for p in plans}
+    models["control"] = TimedModel(ex)  # a second no-checkpointing instance: its ratio is the noise floor
+    med = interleaved_times(models, b, repeats)
+    for e in per_budget:
+        for v in e["plans"].values():
+            if v["plan"] is not None:
+                v["overhead"] = med[v["plan"]] / med[none]
+    out = {
+        "model": name, "batch": b, "units": list(units), "block_saved_bytes": abar, "block_input_bytes": ain,
+        "none_bytes": p_none, "every_block_bytes": p_all, "step_s_none": med[none], "repeats": repeats,
+        "control_ratio": med["control"] / med[none],
+        "budgets": [
+            {**{k: v for k, v in e.items() if k != "plans"},
+             "plans": {k: {**{kk: vv for kk, vv in v.items() if kk != "plan"},
+                           "plan": v["plan"].describe(units) if v["plan"] else None,
+                           "checkpointed": list(v["plan"].names) if v["plan"] and v["plan"].names else None,
+                           "segments": [list(x) for x in v["plan"].segments] if v["plan"] and v["plan"].segments else None}
+                       for k, v in e["plans"].items()}}
+            for e in per_budget
+        ],
+        "elapsed_s": time.perf_counter() - t0,
+    }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(EXAMPLES))
+    ap.add_argument("--repeats", type=int, default=7, help="timed steps per plan (interleaved), at least 5")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: stable timings on a shared machine)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    sac = try_sac_ilp()
+    results = [run_model(m, max(5, args.repeats)) for m in args.models.split(",")]
+    methods = list(dict.fromkeys(k for r in results for e in r["budgets"] for k in e["plans"]))
+    if sac:
+        methods.append("sac_ilp (torch)")
+    summary = {}
+    for meth in methods:
+        cells = [e["plans"][meth] for r in results for e in r["budgets"] if meth in e["plans"]]
+        ran = [c for c in cells if c.get("measured_bytes") is not None]
+        fit = [c for c in ran if c["fits"]]
+        over = [c["measured_bytes"] / e["budget_bytes"] - 1 for r in results for e in r["budgets"]
+                for c in [e["plans"].get(meth)] if c and c.get("measured_bytes") is not None and not c["fits"]]
+        summary[meth] = {
+            "cases": len(cells), "respected": len(fit),
+            "median_overhead_when_fits": statistics.median([c["overhead"] for c in fit]) if fit else None,
+            "worst_overshoot": max(over) if over else None,
+        }
+    lines = [
+        "Four budgets per model between the harness-measured peaks of every-block checkpointing and of no "
+        "checkpointing; each plan's peak measured by the independent harness; overhead = median step time with "
+        "the plan / without (same process, interleaved repeats). Plans: `{i,j}` = blocks i and j checkpointed one "
+        "by one; `[a-b]*` = blocks a..b as one checkpointed segment, `[a-b]` = a segment left as is.",
+        "",
+        f"PyTorch's `sac_ilp`: {'ran' if not sac else 'not run here. ' + sac + '.'}",
+        "",
+        "## Summary (all models and budgets)",
+        "",
+        md_table(["method", "budgets respected", "median overhead when it fits", "worst overshoot"],
+                 [[m, f"{v['respected']}/{v['cases']}" if v["cases"] else "n/a",
+                   f"{v['median_overhead_when_fits']:.3f}x" if v["median_overhead_when_fits"] else "-",
+                   f"+{100 * v['worst_overshoot']:.1f}%" if v["worst_overshoot"] is not None else "-"] for m, v in summary.items()]),
+    ]
+    for r in results:
+        lines += ["", f"## {r['model']} (batch {r['batch']}, {len(r['units'])} blocks: {', '.join(r['units'])})", "",
+                  f"No checkpointing {mib(r['none_bytes'])} MiB, every block {mib(r['every_block_bytes'])} MiB "
+                  f"(harness); step without checkpointing {1e3 * r['step_s_none']:.0f} ms (median of {r['repeats']}); "
+                  f"a second no-checkpointing instance timed alongside: {r['control_ratio']:.3f}x (the noise floor).", ""]
+        rows = []
+        for e in r["budgets"]:
+            for k, v in e["plans"].items():
+                rows.append([f"{mib(e['budget_bytes'])} ({int(100 * e['fraction'])}%)", k, v["plan"] or v.get("note", "-"),
+                             mib(v["measured_bytes"]) if v.get("measured_bytes") else "-",
+                             ("yes" if v["fits"] else f"no (+{100 * (v['measured_bytes'] / e['budget_bytes'] - 1):.1f}%)") if "fits" in v else "-",
+                             f"{v['overhead']:.3f}x" if "overhead" in v else "-",
+                             mib(v["predicted_bytes"]) if v.get("predicted_bytes") else "-"])
+        lines.append(md_table(["budget MiB", "method", "plan", "measured MiB", "fits", "overhead", "model's prediction MiB"], rows))
+    body = "\n".join(lines)
+    print(body)
+    write("plan_quality", "Plan quality under a budget", {"sac_ilp": sac or "ran", "summary": summary, "models": results}, body)
+
+
+if __name__ == "__main__":
+    main()
