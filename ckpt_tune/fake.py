@@ -63,6 +63,8 @@ CPU_SCRATCH_OPS = frozenset(
         aten.native_batch_norm_backward.default,
         aten.mkldnn_rnn_layer.default,
         aten.mkldnn_rnn_layer_backward.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,  # per-thread tile buffers
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
     }
 )
 # Calibration runs the op for real: skip it (and count the op as unmodelled) above this many bytes of
@@ -477,6 +479,24 @@ def _fakeify_module(model: nn.Module) -> None:
             if b is not None and not isinstance(b, FakeTensor):
                 done.setdefault(id(b), mode.from_tensor(b))
                 mod._buffers[name] = done[id(b)]
+
+
+def to_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`model.to(dtype)` for a fake model, in place: floating parameters and buffers only, ties kept.
+
+    `Module.to` swaps fake parameters (`torch.utils.swap_tensors`), which fails once the fake mode
+    holds a weak reference to them, and it memoizes every tensor its ops make. Assigning `.data`
+    keeps each Parameter object, so tied weights stay one parameter.
+    """
+    with running():
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+        for mod in model.modules():
+            for name, b in mod._buffers.items():
+                if b is not None and b.is_floating_point() and b.dtype != dtype:
+                    mod._buffers[name] = b.to(dtype)
+    return model
 
 
 def build_fake_model(target: loader.Target) -> nn.Module:

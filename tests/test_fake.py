@@ -286,6 +286,15 @@ def test_gpt_example_keeps_weights_tied():
     assert model.wte.weight.untyped_storage().nbytes() == vocab * c * 4
 
 
+def test_to_dtype_casts_a_fake_model_and_keeps_ties():
+    """`Module.to` fails on fake parameters (it swaps them); `to_dtype` assigns `.data` instead."""
+    target = loader.load_target(f"{EXAMPLES / 'gpt.py'}:build")
+    model = fake.to_dtype(fake.build_fake_model(target), torch.bfloat16)
+    assert model.lm_head.weight is model.wte.weight
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.wte.weight.untyped_storage().nbytes() == 4096 * 192 * 2
+
+
 @pytest.mark.hf
 @pytest.mark.parametrize("tied", [True, False])
 def test_hf_llama_tied_embeddings_stay_tied(tmp_path, tied):
