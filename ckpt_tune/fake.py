@@ -13,8 +13,9 @@ input-sized temporary, and a oneDNN LSTM layer returns a workspace whose size on
 mode makes it empty). For these ops (`CPU_SCRATCH_OPS`) the CPU recorder runs the real kernel once per
 distinct shape on zero-filled tensors, under the profiler, and replays what it allocated. On CUDA the
 caching allocator rounds each block up to 512 B, which `FakeRecorder(device="cuda")` applies; cuDNN
-and cuBLAS workspaces are not modelled there, and the calls that would use them are counted in
-`FakeRecorder.unmodelled`.
+workspaces are not modelled there, and the calls that would take one are counted in
+`FakeRecorder.unmodelled` (`CUDA_WORKSPACE_OPS`). The cuBLAS workspace is one block per handle and
+stream, allocated at the first matmul and kept: a constant for the caller to add, not an event here.
 
 A storage is named by `fake_storage_key(t)`: the StorageImpl's address for a fake tensor (whose
 `data_ptr()` is 0 and deprecated), the data pointer for a real one, which is what `Recorder` records.
@@ -67,6 +68,16 @@ CPU_SCRATCH_OPS = frozenset(
         aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
     }
 )
+# Ops that take a workspace on CUDA which fake mode cannot size (cuDNN convolution workspaces, the cuDNN
+# RNN reserve; the CPU graph's oneDNN RNN layers stand for `_cudnn_rnn`): counted, not modelled.
+CUDA_WORKSPACE_OPS = frozenset(
+    {
+        aten.convolution.default,
+        aten.convolution_backward.default,
+        aten.mkldnn_rnn_layer.default,
+        aten.mkldnn_rnn_layer_backward.default,
+    }
+)
 # Calibration runs the op for real: skip it (and count the op as unmodelled) above this many bytes of
 # real inputs, so a fake run never needs the memory it is meant to predict.
 CALIBRATE_LIMIT = 256 << 20
@@ -117,13 +128,18 @@ def _fake_mode_error(e: BaseException) -> FakeModeError:
 
 
 def as_fake_mode_error(exc: BaseException) -> FakeModeError | None:
-    """The FakeModeError behind exc: itself, or one made from a fake-tensor failure in its cause chain."""
+    """exc if it is a FakeModeError; else a new one for the fake-tensor failure in its cause chain, if any.
+
+    New, not the one found: raising that one again `from exc` would make its cause chain a cycle.
+    """
+    if isinstance(exc, FakeModeError):
+        return exc
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         if isinstance(e, FakeModeError):
-            return e
+            return FakeModeError(e.message, e.hint)
         if isinstance(e, _DATA_DEPENDENT):
             return _fake_mode_error(e)
         e = e.__cause__ or e.__context__
@@ -267,19 +283,17 @@ class _Dispatch(TorchDispatchMode):
             name = args[0] if args else None
             if isinstance(name, str) and name.startswith(timeline.PREFIX):
                 rec._marker(name[len(timeline.PREFIX) :])
-        cal = rec._scratch(func, args, kwargs) if func in CPU_SCRATCH_OPS else None
+        cal = rec._scratch(func, args, kwargs) if func in rec._hidden else None
         if cal is None and func is aten.native_batch_norm.default:
             cal = _batch_norm_sizes(args)
         try:
             out = func(*args, **kwargs)
         except _DATA_DEPENDENT as e:
             raise _fake_mode_error(e) from e
-        if isinstance(out, torch.Tensor):
-            rec._see(out, args, kwargs, None if cal is None else cal[0][0])
-        elif isinstance(out, (tuple, list)):
-            for i, t in enumerate(out):
-                if isinstance(t, torch.Tensor):
-                    rec._see(t, args, kwargs, None if cal is None or i >= len(cal[0]) else cal[0][i])
+        sizes = cal[0] if cal is not None else ()
+        for i, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                rec._see(t, args, kwargs, sizes[i] if i < len(sizes) else None)
         if cal is not None and cal[1] > 0:  # the kernel's own peak, above its outputs
             rec._spike(cal[1])
         return out
@@ -311,6 +325,8 @@ class FakeRecorder:
         self._old: dict[int, weakref.ref] = {}  # storages born before recording, seen as op inputs
         self._mode: _Dispatch | None = None
         self._intercept_marks = not hasattr(timeline, "add_listener")
+        # ops whose hidden memory is measured ("cpu") or counted as unmodelled ("cuda")
+        self._hidden = {"cpu": CPU_SCRATCH_OPS, "cuda": CUDA_WORKSPACE_OPS}.get(self.device_type, frozenset())
         self._gc_was_enabled = False
 
     def __enter__(self) -> FakeRecorder:
@@ -397,6 +413,7 @@ class FakeRecorder:
         self._events.append((self._tick(), -n, 0))
 
     def _scratch(self, func, args, kwargs) -> Scratch | None:
+        """What func's kernel allocates beyond its outputs' storages, or None (and counted) if unknown."""
         if self.device_type == "cpu":
             sig = _signature(func, args, kwargs)
             if sig not in _CALIBRATED:
