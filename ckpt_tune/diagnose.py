@@ -39,7 +39,6 @@ from ckpt_tune.sharding import (
     eight_bit_moment,
     eight_bit_state_bytes,
     lora_moment,
-    moments_from_profile,
     offload_moment,
     peak_of,
     per_gpu_terms,
@@ -318,11 +317,6 @@ def summarize(d: Diagnosis) -> str:
     if d.fits:
         return f"fits: peak {format_bytes(p.total)} of {format_bytes(usable)} ({format_bytes(usable - p.total)} to spare), reached in {p.where}"
     return f"does not fit: peak {format_bytes(p.total)} is {format_bytes(p.total - usable)} over {format_bytes(usable)}, reached in {p.where}"
-
-
-def profile_moments(prof: StepProfile) -> tuple[Moment, ...]:
-    """Moments when only a profile record is at hand (see sharding.moments_from_profile)."""
-    return moments_from_profile(prof)
 
 
 # -- the library call ---------------------------------------------------------------------------------
