@@ -614,30 +614,35 @@ class _Study:
         if plan is None or not plan.trainable_param_bytes:
             self.notes.append("no Linear layers to adapt: LoRA not considered")
             return
-        estimate, names, frac = self.compose(lambda m: lora_moment(m, plan))
-        basis = "measured" if self.n == 1 else "measured + arithmetic"
+        fn = lambda m: lora_moment(m, plan)  # noqa: E731
+        estimate = self.peak(self.moments(self.b), fn)  # arithmetic, LoRA alone: shown beside the record
+        basis, alone = ("measured" if self.n == 1 else "measured + arithmetic"), None
         try:
-            pk = self._lora_peak(plan, ())
+            pk = alone = self._lora_peak(plan, ())
             names, frac = (), 0.0
             if pk.total > self.usable and self.units:
                 found = self._lora_with_plan(plan)
                 if found is not None:
                     pk, names, frac = found
         except Exception as e:  # a model whose code reads the wrapped layers' attributes directly
-            pk, basis = estimate, "predicted (arithmetic)"
+            (pk, names, frac), basis = self.compose(fn), "predicted (arithmetic)"
             self.notes.append(f"LoRA could not be applied for a recorded step ({type(e).__name__}: {e}); arithmetic estimate shown")
         where = " of the blocks" if self.units else ""
         title = f"LoRA rank {plan.rank} on {len(plan.adapted)} Linear layers{where}, everything else frozen"
         if names:
             title += f" + checkpoint {self._ckpt_label(names)}"
+        check = (
+            f"; without checkpointing it records {format_bytes(alone.total)} against {format_bytes(estimate.total)} "
+            "estimated by arithmetic (sharding.lora_moment)" if alone is not None else ""
+        )
         self.remedies.append(Remedy(
             "lora", title, pk.total, pk.total <= self.usable, basis, pk.where, gpus=self.n,
             time_overhead=round(frac, 4), accuracy="changes what is trained", keeps_setup=False,
             cost=f"trains {format_bytes(plan.adapter_param_bytes)} of adapters instead of {format_bytes(plan.trainable_param_bytes)}",
-            assumes="ckpt_tune.diagnose.apply_lora: adapters on the named layers, every other parameter frozen; "
-            f"arithmetic estimate from the full step: {format_bytes(estimate.total)}",
+            assumes="ckpt_tune.diagnose.apply_lora: adapters on the named layers, every other parameter frozen" + check,
             config={"lora_rank": plan.rank, "adapted": list(plan.adapted), "checkpoint": list(names),
-                    "arithmetic_estimate_bytes": estimate.total},
+                    "alone_measured_bytes": alone.total if alone is not None else None,
+                    "alone_arithmetic_bytes": estimate.total},
         ))
 
     def _lora_with_plan(self, plan: LoraPlan) -> tuple[Moment, tuple[str, ...], float] | None:
