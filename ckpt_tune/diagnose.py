@@ -567,9 +567,12 @@ class _Study:
                 if pk.total <= self.usable:
                     chosen = (1, names, cost, pk)
         assert chosen is not None
-        mb, names, cost, pk = chosen
+        mb, names, _cost, pk = chosen
         k = b // mb
-        overhead = k * (self.searcher.step_ms(mb) + cost) / self.searcher.step_ms(b) - 1
+        # timed back to back (the same machine load for both), the micro-step with its plan applied
+        t_b = self.runner.time_step(b, repeats=3).step_ms
+        t_m = self.runner.time_step(mb, checkpoint=list(names), repeats=3).step_ms
+        overhead = max(0.0, k * t_m / t_b - 1)
         bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.model.modules())
         title = f"micro-batch {mb} × {k} accumulation steps (effective batch {b})"
         if names:
