@@ -71,16 +71,21 @@ def _user_errors(what: str) -> Iterator[None]:
 
 def _runner(target: loader.Target, settings: Settings) -> tuple[nn.Module, StepRunner, StepSettings]:
     device = resolve_device(settings.device)
-    model = loader.build_model(target)
-    with _user_errors("moving the model"):
-        model.to(device)
     step = StepSettings(device=device, precision=settings.precision, optimizer=settings.optimizer)
-    runner = StepRunner(
-        model,
-        lambda b: loader.make_batch(target, b, device),
-        lambda m, batch: loader.compute_loss(target, m, batch),
-        step,
-    )
+    if device == "meta":  # fake tensors: nothing is allocated; the CUDA allocator's rounding is modelled
+        from ckpt_tune import fake
+
+        model = fake.build_fake_model(target)
+        batch_fn = fake.fake_batch_fn(target, "cpu")
+    else:
+        model = loader.build_model(target)
+        with _user_errors("moving the model"):
+            model.to(device)
+
+        def batch_fn(b):
+            return loader.make_batch(target, b, device)
+
+    runner = StepRunner(model, batch_fn, lambda m, batch: loader.compute_loss(target, m, batch), step)
     return model, runner, step
 
 
@@ -128,7 +133,8 @@ def search(
     """Largest batch (or the given one) that fits `vram`, with the cheapest verified checkpoint plan."""
     t = load(target, settings)
     device = resolve_device(settings.device)
-    budget = parse_budget(vram, device, margin)
+    # --device meta sizes a CUDA step: hold back the CUDA context and margin as on a GPU
+    budget = parse_budget(vram, "cuda" if device == "meta" else device, margin)
     _model, runner, step = _runner(t, settings)
     with _user_errors("searching"), runner:
         searcher = Searcher(runner, progress=progress)

@@ -81,13 +81,14 @@ class StepProfile:
     unattributed_activation_bytes: int  # saved by ops outside every module (loss, code in loss_fn)
     modules: tuple[ModuleRecord, ...]
     scaling: Scaling | None
-    step_ms: float
+    step_ms: float  # step time; under fake tensors (time_unit "GFLOP") the step's GFLOPs instead
     cuda_reserved_bytes: int | None = None
     device_total_bytes: int | None = None
     # live bytes over the iteration: (ms since the iteration started, bytes), at most ~2000 points with
     # every local extreme kept, and the phase boundaries (make_batch, forward+loss, backward, step) in ms
     timeline: tuple[tuple[float, int], ...] = ()
     phases: dict[str, float] | None = None
+    time_unit: str = "ms"  # of step_ms and modules' forward_ms: "ms", or "GFLOP" under fake tensors
 
     def to_dict(self, with_timeline: bool = False) -> dict[str, Any]:
         d = asdict(self)
@@ -258,7 +259,12 @@ def build_profile(
         optimizer=settings.optimizer,
         batch_size=m.batch_size,
         torch_version=str(torch.__version__),
-        measured_by="torch.cuda.max_memory_allocated" if cuda else "allocator events (torch.profiler, profile_memory=True)",
+        measured_by=(
+            "torch.cuda.max_memory_allocated" if cuda
+            else "fake tensors (FakeTensorMode): storages born and freed, CUDA 512 B block rounding modelled"
+            if settings.device == "meta"
+            else "allocator events (torch.profiler, profile_memory=True)"
+        ),
         peak_bytes=m.peak_bytes,
         peak_phase=peak_phase(m),
         breakdown=breakdown,
@@ -270,6 +276,7 @@ def build_profile(
         modules=modules,
         scaling=scale,
         step_ms=round(timing.step_ms, 3),
+        time_unit=timing.unit,
         cuda_reserved_bytes=m.reserved_bytes,
         device_total_bytes=total_mem,
         timeline=points,

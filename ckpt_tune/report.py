@@ -40,7 +40,7 @@ def profile_table(prof: StepProfile, top: int = 15, depth: int | None = None) ->
     t.add_column("share of step", justify="right")
     t.add_column("output", justify="right")
     t.add_column("params", justify="right")
-    t.add_column("fwd ms", justify="right")
+    t.add_column("fwd ms" if prof.time_unit == "ms" else "fwd GFLOP", justify="right")
     rows = [m for m in prof.modules if m.name and (depth is None or m.depth <= depth)]
     rows.sort(key=lambda m: m.subtree_activation_bytes if depth is not None else m.activation_bytes, reverse=True)
     for m in rows[:top]:
@@ -93,7 +93,8 @@ def breakdown_panel(prof: StepProfile) -> Panel:
         )
     if prof.cuda_reserved_bytes is not None:
         lines.append(f"CUDA reserved (caching allocator): {format_bytes(prof.cuda_reserved_bytes)}")
-    lines.append(f"step time {prof.step_ms:.1f} ms; measured by {prof.measured_by}")
+    cost = f"step time {prof.step_ms:.1f} ms" if prof.time_unit == "ms" else f"step {prof.step_ms:.1f} GFLOP (fake tensors: FLOPs, not time)"
+    lines.append(f"{cost}; measured by {prof.measured_by}")
     return Panel(Group(*lines), title="Where the peak goes (live at the peak moment)", title_align="left")
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ckpt_tune import fake
 from ckpt_tune.emit import OPTIMIZERS, PRECISIONS
 from ckpt_tune.errors import CkptTuneError, UserCodeError
 from ckpt_tune.timeline import Recorder, Timeline, mark
@@ -32,11 +33,11 @@ class StepSettings:
     device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
     precision: str = "fp32"  # one of PRECISIONS
     optimizer: str = "adamw"  # one of OPTIMIZERS
+    fake_target: str = "cuda"  # device "meta": the allocator the fake timeline mimics ("cuda" or "cpu")
 
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
-    st = t.untyped_storage()
-    return (str(t.device), st.data_ptr())
+    return (str(t.device), fake.fake_storage_key(t))
 
 
 def unique_bytes(tensors) -> int:
@@ -100,14 +101,22 @@ class StepRunner:
         if settings.optimizer not in OPTIMIZERS:
             raise CkptTuneError(f"unknown optimizer {settings.optimizer!r}", f"use one of {', '.join(OPTIMIZERS)}")
         self.model, self.batch_fn, self.loss_fn, self.settings = model, batch_fn, loss_fn, settings
-        self.device = torch.device(settings.device)
+        self.fake = settings.device == "meta"  # fake tensors: the CPU-device graph, nothing allocated
+        self.device = torch.device("cpu" if self.fake else settings.device)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler = None
         self._warm = False
         self._snapshot: dict[str, Any] = {}
 
     # -- set-up and restoration ---------------------------------------------------------------
+    def _ctx(self):
+        return fake.running() if self.fake else contextlib.nullcontext()
+
     def __enter__(self) -> StepRunner:
+        with self._ctx():
+            return self._enter()
+
+    def _enter(self) -> StepRunner:
         m = self.model
         self._snapshot = {
             "modes": {mod: mod.training for mod in m.modules()},
@@ -119,15 +128,22 @@ class StepRunner:
             "grads": [(p, p.grad) for p in m.parameters()],
         }
         if self.settings.precision == "bf16":
-            m.to(torch.bfloat16)
+            fake.to_dtype(m, torch.bfloat16) if self.fake else m.to(torch.bfloat16)
         m.train()
         params = [p for p in m.parameters() if p.requires_grad]
-        self.optimizer = _make_optimizer(self.settings.optimizer, params)
-        if self.settings.precision == "fp16-mixed":
+        # CUDA's optimizers default to foreach (one temporary per parameter, all at once); fake tensors
+        # are CPU tensors, whose default is the per-parameter loop: ask for what the target would run
+        foreach = True if self.fake and self.settings.fake_target == "cuda" else None
+        self.optimizer = _make_optimizer(self.settings.optimizer, params, foreach)
+        if self.settings.precision == "fp16-mixed" and not self.fake:  # found_inf.item() is data-dependent
             self.scaler = torch.amp.GradScaler(self.device.type)
         return self
 
     def __exit__(self, *exc) -> None:
+        with self._ctx():
+            self._exit()
+
+    def _exit(self) -> None:
         snap, _m = self._snapshot, self.model
         self.optimizer = None
         for p, g in snap["grads"]:
@@ -187,7 +203,8 @@ class StepRunner:
     def warm_up(self, batch_size: int) -> None:
         """Run one iteration so the optimizer state exists (steady state)."""
         if not self._warm:
-            self.iteration(batch_size)
+            with self._ctx():
+                self.iteration(batch_size)
             self._warm = True
 
     def _state_bytes(self) -> tuple[int, int, int]:
@@ -227,7 +244,8 @@ class StepRunner:
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-            with Recorder(self.device.type) as rec:
+            recorder = fake.FakeRecorder(self.settings.fake_target) if self.fake else Recorder(self.device.type)
+            with self._ctx(), recorder as rec:
                 self.iteration(batch_size)
             if cuda:
                 torch.cuda.synchronize()
@@ -266,6 +284,8 @@ class StepRunner:
     def time_step(self, batch_size: int, checkpoint: Sequence[str] = (), repeats: int = 3) -> Timing:
         """Median wall time of `repeats` iterations and each module's forward time (ms), no profiler."""
         self.warm_up(batch_size)
+        if self.fake:
+            return self._count_flops(batch_size, checkpoint)
         names = {mod: name for name, mod in self.model.named_modules()}
         clock = _ForwardClock(self.model, names)
         steps: list[float] = []
@@ -290,12 +310,41 @@ class StepRunner:
         return Timing(batch_size, tuple(checkpoint), steps[len(steps) // 2], dict(clock.best))
 
 
+    def _count_flops(self, batch_size: int, checkpoint: Sequence[str]) -> Timing:
+        """Under fake tensors wall time means nothing: count FLOPs instead (1 GFLOP reported as 1 "ms").
+
+        Recompute cost is then forward FLOPs of the checkpointed modules over the step's FLOPs, which is
+        what their time ratio is on a GPU that runs both at the same throughput.
+        """
+        from torch.utils.flop_counter import FlopCounterMode
+
+        root = type(self.model).__name__
+
+        def per_module(fc) -> dict[str, float]:
+            out = {}
+            for key, ops in fc.get_flop_counts().items():
+                if key == root or key.startswith(root + "."):
+                    out[key[len(root) + 1:] if key != root else ""] = sum(ops.values()) / 1e9
+            return out
+
+        with self._ctx():
+            with FlopCounterMode(display=False) as fwd:
+                batch = self.batch_fn(batch_size)
+                with self._autocast():
+                    self.loss_fn(self.model, batch)
+            with FlopCounterMode(display=False) as step:
+                self.iteration(batch_size)
+        total = sum(sum(ops.values()) for key, ops in step.get_flop_counts().items() if key == "Global") / 1e9
+        return Timing(batch_size, tuple(checkpoint), max(total, 1e-9), per_module(fwd), unit="GFLOP")
+
+
 @dataclass(frozen=True)
 class Timing:
     batch_size: int
     checkpoint: tuple[str, ...]
     step_ms: float
     forward_ms: dict[str, float]  # module name -> inclusive forward time (ms), fastest of the repeats
+    unit: str = "ms"  # "GFLOP" under fake tensors, where FLOPs stand in for time
 
 
 def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
@@ -315,17 +364,17 @@ def _apply():
     return apply
 
 
-def _make_optimizer(name: str, params: list[nn.Parameter]) -> torch.optim.Optimizer | None:
+def _make_optimizer(name: str, params: list[nn.Parameter], foreach: bool | None = None) -> torch.optim.Optimizer | None:
     # lr=0: the step reads and writes exactly what a real step does, yet p - 0*update == p bit for bit.
     if name == "none" or not params:
         return None
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=0.0)
+        return torch.optim.AdamW(params, lr=0.0, foreach=foreach)
     if name == "adam":
-        return torch.optim.Adam(params, lr=0.0)
+        return torch.optim.Adam(params, lr=0.0, foreach=foreach)
     if name == "sgd":
-        return torch.optim.SGD(params, lr=0.0)
-    return torch.optim.SGD(params, lr=0.0, momentum=0.9)
+        return torch.optim.SGD(params, lr=0.0, foreach=foreach)
+    return torch.optim.SGD(params, lr=0.0, momentum=0.9, foreach=foreach)
 
 
 class _Instrument:
@@ -339,7 +388,7 @@ class _Instrument:
         self.grad_ptrs: list[int] = []
         self.module_io: dict[str, tuple[int, int]] = {}
         self._hooks_ctx = None
-        self._param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._param_ptrs = {fake.fake_storage_key(p) for p in model.parameters()}
 
     def install(self) -> None:
         for mod, name in self.names.items():
@@ -387,14 +436,14 @@ class _Instrument:
 
     def _pack(self, t: torch.Tensor):
         if t.device.type != "meta":
-            ptr = t.untyped_storage().data_ptr()
+            ptr = fake.fake_storage_key(t)
             if ptr not in self._param_ptrs and ptr not in self.saved:
                 self.saved[ptr] = (t.untyped_storage().nbytes(), self.stack[-1] if self.stack else None)
         return t
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if p.grad is not None:
-            self.grad_ptrs.append(p.grad.untyped_storage().data_ptr())
+            self.grad_ptrs.append(fake.fake_storage_key(p.grad))
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:

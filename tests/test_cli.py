@@ -115,3 +115,15 @@ def test_every_command_has_help():
         p = run(cmd, "--help")
         assert p.returncode == 0
         assert "Usage" in p.stdout
+
+
+def test_readme_shows_the_two_commands_and_every_command():
+    readme = (ROOT / "README.md").read_text()
+    assert "make demo" in readme and "make test" in readme
+    from ckpt_tune.cli import app
+
+    names = [c.name or c.callback.__name__ for c in app.registered_commands]
+    assert {"profile", "search", "check"} <= set(names)
+    for name in names:
+        assert f"ckpt-tune {name}" in readme, f"README does not show `ckpt-tune {name}`"
+        assert run(name, "--help").returncode == 0
