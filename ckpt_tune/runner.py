@@ -207,7 +207,8 @@ class StepRunner:
                 self.iteration(batch_size)
             self._warm = True
 
-    def _state_bytes(self) -> tuple[int, int, int]:
+    def state_bytes(self) -> tuple[int, int, int]:
+        """(parameters + buffers, optimizer state, gradients) bytes, distinct storages."""
         m = self.model
         param = unique_bytes([*m.parameters(), *m.buffers()])
         opt = 0
@@ -231,7 +232,7 @@ class StepRunner:
         `attribute`: also attribute saved tensors to modules and mark every module.
         """
         self.warm_up(batch_size)
-        param_b, opt_b, grads_before = self._state_bytes()
+        param_b, opt_b, grads_before = self.state_bytes()
         self._zero_grad()  # frees before recording starts: the profiler cannot see frees of older blocks
         names = {mod: name for name, mod in self.model.named_modules()}
         marked = set(units) | (set(names.values()) if attribute else set())
@@ -255,7 +256,7 @@ class StepRunner:
             if checkpoint:
                 _apply().remove(self.model)
         tl = rec.timeline
-        param_b, opt_b, grads_after = self._state_bytes()
+        param_b, opt_b, grads_after = self.state_bytes()
         static = param_b + opt_b
         t_start = tl.marker("iter")
         top, when = tl.max_between(t_start)

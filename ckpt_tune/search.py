@@ -156,8 +156,8 @@ class Searcher:
         return self._terms[batch_size]
 
     def fitted(self, batch_size: int, b1: int, b2: int) -> Terms:
-        if batch_size in self._terms:
-            return self._terms[batch_size]
+        if batch_size in self._terms or batch_size in (b1, b2):
+            return self.terms(batch_size)
         return self.terms(b1).interpolate(self.terms(b2), batch_size)
 
     def verify(self, batch_size: int, names: tuple[str, ...]) -> int:
@@ -262,11 +262,20 @@ class Searcher:
     def _no_fit(self, budget: int, b: int) -> NoFitError:
         t = self.terms(b)
         mp = min_peak(t, self.costs(b))
-        states = t.static
+        params, opt, grads = self.runner.state_bytes()
+        states = params + grads + opt
+        n = sum(p.numel() for p in self.runner.model.parameters() if p.requires_grad) or 1
+        where = f"the smallest peak reachable at batch {b} is {format_bytes(mp.peak)} (checkpointing {len(mp.names(t))} of {len(self.units)} blocks)"
+        if states > budget:
+            return NoFitError(
+                f"nothing fits {format_bytes(budget)}: weights + gradients + optimizer state alone are "
+                f"{format_bytes(states)} ({format_bytes(params)} + {format_bytes(grads)} + {format_bytes(opt)}, "
+                f"{states / n:.1f} bytes per trainable parameter), more than the budget before any activation; {where}",
+                "no checkpoint plan can fix that: shard the states over GPUs (FSDP / ZeRO-3), use an 8-bit optimizer "
+                "or train adapters (LoRA); `ckpt-tune diagnose` predicts each",
+            )
         return NoFitError(
-            f"nothing fits {format_bytes(budget)}: the smallest peak reachable at batch {b} is "
-            f"{format_bytes(mp.peak)} (checkpointing {len(mp.names(t))} of {len(self.units)} blocks), "
-            f"of which weights + optimizer state are {format_bytes(states)} and the step's activations and "
-            f"temporaries {format_bytes(mp.peak - states)}",
+            f"nothing fits {format_bytes(budget)}: {where}; weights + gradients + optimizer state are "
+            f"{format_bytes(states)}, the step's activations and temporaries the rest",
             "raise --vram, use --precision bf16-mixed, a smaller --batch-size, or see `ckpt-tune diagnose`",
         )

@@ -119,7 +119,8 @@ def test_every_command_has_help():
 
 def test_readme_shows_the_two_commands_and_every_command():
     readme = (ROOT / "README.md").read_text()
-    assert "make demo" in readme and "make test" in readme
+    assert "make demo" in readme
+    assert "make test" in readme
     from ckpt_tune.cli import app
 
     names = [c.name or c.callback.__name__ for c in app.registered_commands]
