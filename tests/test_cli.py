@@ -107,7 +107,7 @@ def test_search_writes_a_plan_that_fits_when_applied_independently(tmp_path):
 def test_search_budget_too_small_exits_3(tmp_path):
     target = write_target_file(tmp_path, "mlp_blocks")
     p = run("search", target, "--device", "cpu", "--vram", "1MiB")
-    assert_clean_error(p, 3, "nothing fits", "weights + optimizer state")
+    assert_clean_error(p, 3, "nothing fits", "weights + gradients + optimizer state alone", "16.0 bytes per trainable parameter")
 
 
 def test_every_command_has_help():
