@@ -119,6 +119,8 @@ class SearchOutcome:
     budget: Budget
     is_hf: bool
     target_batch: int | None = None
+    world_size: int = 1  # > 1: every byte figure is per GPU of a sharded run
+    shard: str = "none"
 
 
 def search(
@@ -129,6 +131,8 @@ def search(
     margin: str | None = None,
     settings: Settings = Settings(),
     progress: Callable[[str], None] | None = None,
+    world_size: int = 1,
+    shard: str = "none",
 ) -> SearchOutcome:
     """Largest batch (or the given one) that fits `vram`, with the cheapest verified checkpoint plan."""
     t = load(target, settings)
@@ -137,7 +141,7 @@ def search(
     budget = parse_budget(vram, "cuda" if device == "meta" else device, margin)
     _model, runner, step = _runner(t, settings)
     with _user_errors("searching"), runner:
-        searcher = Searcher(runner, progress=progress)
+        searcher = Searcher(runner, progress=progress, world_size=world_size, shard=shard)
         fixed = batch_size
         if target_batch is not None and batch_size is None:
             fixed = None
@@ -164,7 +168,7 @@ def search(
         predicted_recompute_fraction=res.recompute_fraction,
         verified_peak_bytes=res.verified_peak,
     )
-    return SearchOutcome(plan, res, budget, t.is_hf, target_batch)
+    return SearchOutcome(plan, res, budget, t.is_hf, target_batch, searcher.world_size, searcher.shard)
 
 
 def _fit_target_batch(searcher: Searcher, res: SearchResult, want: int, budget: int) -> SearchResult:

@@ -107,6 +107,8 @@ def search(
     hf_config: HfConfig = None,
     seq_len: SeqLen = 512,
     attn: Attn = "sdpa",
+    world_size: Annotated[int, typer.Option("--world-size", min=1, help="GPUs of a sharded data-parallel run: plan per GPU")] = 1,
+    shard: Annotated[str, typer.Option("--shard", help="none | zero1 | zero2 | zero3 | fsdp: what is divided by --world-size")] = "none",
     out: Annotated[Path | None, typer.Option("--out", help="write the plan YAML here")] = None,
     patch: Annotated[Path | None, typer.Option("--patch", help="write the patch snippet here")] = None,
     as_json: Json = False,
@@ -119,7 +121,7 @@ def search(
     t0 = time.perf_counter()
     with report.progress("searching") as update:
         outcome = api.search(target, vram, batch_size=batch_size, target_batch=target_batch, margin=margin,
-                             settings=settings, progress=update)
+                             settings=settings, progress=update, world_size=world_size, shard=shard)
     elapsed = time.perf_counter() - t0
     plan_yaml = plan_to_yaml(outcome.plan)
     snippet = patch_snippet(outcome.plan, hf=outcome.is_hf)
@@ -146,9 +148,10 @@ def search(
         })
 
 
-from ckpt_tune import check_cli  # noqa: E402  (commands kept in their own modules)
+from ckpt_tune import check_cli, diagnose_cli  # noqa: E402  (commands kept in their own modules)
 
 check_cli.register(app)
+diagnose_cli.register(app)
 
 
 def main() -> None:

@@ -106,6 +106,9 @@ def render_profile(prof: StepProfile, top: int = 15, depth: int | None = None) -
 def render_search(outcome, plan_yaml: str, patch: str, elapsed_s: float) -> None:
     res, budget = outcome.result, outcome.budget
     err.print(f"budget: {budget.source}; usable {format_bytes(budget.usable_bytes)}")
+    if outcome.world_size > 1:
+        err.print(f"per GPU of {outcome.world_size} ({outcome.shard}): every peak below is one GPU's, the sharded "
+                  "states by arithmetic on the recorded single-device step")
     t = Table(title="Frontier: best plan per batch size", title_justify="left")
     for col in ("batch", "checkpointed blocks", "predicted peak", "recompute", "fits"):
         t.add_column(col, justify="right" if col != "checkpointed blocks" else "left")

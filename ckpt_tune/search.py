@@ -21,7 +21,8 @@ from torch import nn
 from ckpt_tune.errors import NoFitError
 from ckpt_tune.memory_model import Terms, combine, cut_run, predict, probe_configs
 from ckpt_tune.planner import Solution, min_peak, solve
-from ckpt_tune.runner import StepRunner
+from ckpt_tune.runner import StepRunner, unique_bytes
+from ckpt_tune.sharding import check_shard, peak_of, per_gpu_terms, shard_moment, static_per_gpu
 from ckpt_tune.units import format_bytes
 
 MAX_BATCH = 1 << 16
@@ -92,8 +93,17 @@ class SearchResult:
 class Searcher:
     """Holds a StepRunner and the units; caches probes per batch size."""
 
-    def __init__(self, runner: StepRunner, units: list[str] | None = None, progress: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        runner: StepRunner,
+        units: list[str] | None = None,
+        progress: Callable[[str], None] | None = None,
+        world_size: int = 1,
+        shard: str = "none",
+    ):
         self.runner = runner
+        # sharded data parallelism: every byte figure is per GPU (sharding.py; DESIGN.md §6)
+        self.world_size, self.shard = check_shard(world_size, shard)
         self.progress = progress or (lambda msg: None)
         self.units = tuple(units if units is not None else find_blocks(runner.model))
         self.options: tuple[str, ...] = ("none", "block")
@@ -152,8 +162,17 @@ class Searcher:
                 cut = cut_run(tl.live_at, tl.max_between, tl.markers, self.units, choice)
                 cuts.append(cut)
                 static = m.static_bytes
-            self._terms[batch_size] = combine(cuts, self.units, static, batch_size, self.options)
+            t = combine(cuts, self.units, static, batch_size, self.options)
+            if self.world_size > 1:
+                params, opt, _grads = self.runner.state_bytes()
+                t = per_gpu_terms(t, params, opt, self.world_size, self.shard, self.gathered_bytes())
+            self._terms[batch_size] = t
         return self._terms[batch_size]
+
+    def gathered_bytes(self) -> int:
+        """ZeRO-3/FSDP all-gather one block's full parameters at a time: the largest block's bytes."""
+        model = self.runner.model
+        return max((unique_bytes(model.get_submodule(u).parameters()) for u in self.units), default=0)
 
     def fitted(self, batch_size: int, b1: int, b2: int) -> Terms:
         if batch_size in self._terms or batch_size in (b1, b2):
@@ -162,9 +181,15 @@ class Searcher:
 
     def verify(self, batch_size: int, names: tuple[str, ...]) -> int:
         self.progress(f"verifying batch {batch_size} with {len(names)} checkpointed blocks")
-        m = self.runner.measure(batch_size, checkpoint=list(names))
+        m = self.runner.measure(batch_size, checkpoint=list(names), attribute=self.world_size > 1)
         self.runs += 1
-        return m.peak_bytes
+        if self.world_size == 1:
+            return m.peak_bytes
+        # a sharded step cannot run here: its recorded single-GPU moments, sharded by arithmetic
+        from ckpt_tune.diagnose import moments_of
+
+        moments = (shard_moment(x, self.world_size, self.shard, self.gathered_bytes()) for x in moments_of(m))
+        return peak_of(moments).total
 
     # -- the search -------------------------------------------------------------------------
     def largest_fitting(self, budget: int, b1: int, b2: int) -> int:
@@ -263,6 +288,9 @@ class Searcher:
         t = self.terms(b)
         mp = min_peak(t, self.costs(b))
         params, opt, grads = self.runner.state_bytes()
+        if self.world_size > 1:
+            per = static_per_gpu(params, grads, opt, self.world_size, self.shard, self.gathered_bytes())
+            params, grads, opt = per.params + per.gathered, per.grads, per.optimizer
         states = params + grads + opt
         n = sum(p.numel() for p in self.runner.model.parameters() if p.requires_grad) or 1
         where = f"the smallest peak reachable at batch {b} is {format_bytes(mp.peak)} (checkpointing {len(mp.names(t))} of {len(self.units)} blocks)"
