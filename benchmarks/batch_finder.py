@@ -14,7 +14,7 @@ ckpt-tune's time is `ckpt_tune.api.search(target, vram=...)` end to end (probes,
 verification, frontier), in the same process. Finally each configuration found is timed (interleaved
 steps) to compare training throughput: samples per second at the batch and plan found.
 
-    .venv/bin/python benchmarks/batch_finder.py [--model gpt] [--vram 160MiB]
+    .venv/bin/python benchmarks/batch_finder.py [--model gpt] [--vram 160MiB,320MiB]
 """
 
 from __future__ import annotations
@@ -103,20 +103,10 @@ class Finder:
         return size
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gpt")
-    ap.add_argument("--vram", default="160MiB")
-    ap.add_argument("--repeats", type=int, default=5, help="interleaved timed steps per configuration found")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: stable timings on a shared machine)")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    ex = example(args.model)
-    budget = parse_budget(args.vram, "cpu", None).usable_bytes
-    blocks = tuple(find_blocks(ex.build()))
-
+def run_budget(ex, vram: str, blocks: tuple[str, ...], repeats: int) -> dict:
+    budget = parse_budget(vram, "cpu", None).usable_bytes
     t0 = time.perf_counter()
-    outcome = search(ex.spec, vram=args.vram, settings=Settings(device="cpu"))
+    outcome = search(ex.spec, vram=vram, settings=Settings(device="cpu"))
     tool_s = time.perf_counter() - t0
     plan = outcome.plan
     tool_peak = measured_peak(ex, plan.batch_size, checkpoint=plan.checkpoint)
@@ -125,7 +115,7 @@ def main() -> None:
         "wall_s": tool_s, "steps": outcome.result.probes, "trials": None, "measured_bytes": tool_peak,
         "fits": tool_peak <= budget, "note": "recorded steps (probes + verification); wall time end to end",
     }]
-    print(f"ckpt-tune: batch {plan.batch_size}, {len(plan.checkpoint)}/{len(blocks)} blocks, {tool_s:.1f} s, "
+    print(f"{vram}: ckpt-tune: batch {plan.batch_size}, {len(plan.checkpoint)}/{len(blocks)} blocks, {tool_s:.1f} s, "
           f"{outcome.result.probes} recorded steps; harness peak {mib(tool_peak)} MiB of {mib(budget)}", flush=True)
     configs = {"ckpt-tune search": (plan.batch_size, tuple(plan.checkpoint))}
     for ck_label, ck in (("every block", blocks), ("no checkpointing", ())):
@@ -142,35 +132,55 @@ def main() -> None:
                 "note": f"wall time of its training steps only; with the simulated OOM checks {total:.1f} s",
             })
             configs[label] = (b, ck)
-            print(f"{label}: batch {b}, {f.steps} steps in {len(f.trials)} trials {f.trials}, {f.step_seconds:.1f} s of steps", flush=True)
-    # throughput of what each found: samples per second, interleaved
+            print(f"{vram}: {label}: batch {b}, {f.steps} steps in {len(f.trials)} trials {f.trials}, "
+                  f"{f.step_seconds:.1f} s of steps", flush=True)
+    # throughput of what each found: samples per second, all configurations interleaved
     distinct = {cfg: TimedModel(ex, checkpoint=cfg[1]) for cfg in dict.fromkeys(configs.values())}
-    med = interleaved_times(distinct, {cfg: cfg[0] for cfg in distinct}, args.repeats)
+    med = interleaved_times(distinct, {cfg: cfg[0] for cfg in distinct}, repeats)
     for r in rows:
         cfg = configs[r["finder"]]
         r["step_s"] = med[cfg]
         r["samples_per_s"] = cfg[0] / med[cfg]
-    for r in rows:
         r["time_ratio_vs_ckpt_tune"] = r["wall_s"] / tool_s
-    table = md_table(
-        ["finder", "batch found", "blocks checkpointed", "measured peak MiB", "fits", "steps run", "wall time", "vs ckpt-tune", "samples/s at the result"],
-        [[r["finder"], r["batch"], f"{len(r['checkpointed'])}/{len(blocks)}", mib(r["measured_bytes"]), "yes" if r["fits"] else "NO",
-          r["steps"], f"{r['wall_s']:.1f} s", f"{r['time_ratio_vs_ckpt_tune']:.2f}x", f"{r.get('samples_per_s', float('nan')):.1f}"]
-         for r in rows],
-    )
-    body = "\n\n".join([
-        f"Model `{ex.spec}`, budget {args.vram} ({budget:,} bytes), {args.threads} torch thread(s). "
+    return {"vram": vram, "budget_bytes": budget, "rows": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gpt")
+    ap.add_argument("--vram", default="160MiB,320MiB", help="budgets, comma-separated")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved timed steps per configuration found")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: stable timings on a shared machine)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    ex = example(args.model)
+    blocks = tuple(find_blocks(ex.build()))
+    runs = [run_budget(ex, v, blocks, args.repeats) for v in args.vram.split(",")]
+    parts = [
+        f"Model `{ex.spec}`, {args.threads} torch thread(s). "
         "ckpt-tune: `api.search` end to end; its steps are recorded (profiled) steps. Lightning finders: "
         f"init_val {INIT_VAL}, steps_per_trial {STEPS_PER_TRIAL}, max_trials {MAX_TRIALS}; a trial OOMs when the harness-measured "
-        "peak exceeds the budget; their wall time counts only their real training steps (a lower bound on a GPU). "
-        "Samples/s: median of interleaved steps of each configuration found (noisy on a shared machine; "
-        "compare within this table only).",
-        table,
-        "Trials (batch, fit?): " + "; ".join(f"{r['finder']}: {r['trials']}" for r in rows if r["trials"]),
-    ])
-    print(table)
+        "peak exceeds the budget; their wall time counts only their real training steps (a lower bound on a GPU, "
+        "where each OOM also costs a crash and recovery). Samples/s: median of interleaved steps of each "
+        "configuration found (noisy on a shared machine; compare within one table only).",
+    ]
+    for run in runs:
+        rows = run["rows"]
+        parts += [
+            f"## Budget {run['vram']} ({run['budget_bytes']:,} bytes)",
+            md_table(
+                ["finder", "batch found", "blocks checkpointed", "measured peak MiB", "fits", "steps run", "wall time",
+                 "time / ckpt-tune's", "samples/s at the result"],
+                [[r["finder"], r["batch"], f"{len(r['checkpointed'])}/{len(blocks)}", mib(r["measured_bytes"]),
+                  "yes" if r["fits"] else "NO", r["steps"], f"{r['wall_s']:.1f} s", f"{r['time_ratio_vs_ckpt_tune']:.2f}",
+                  f"{r['samples_per_s']:.1f}"] for r in rows],
+            ),
+            "Trials (batch, fit?): " + "; ".join(f"{r['finder']}: {r['trials']}" for r in rows if r["trials"]),
+        ]
+    body = "\n\n".join(parts)
+    print(body)
     write_results("batch_finder", "Batch finding: ckpt-tune search vs trial and error",
-                  {"model": ex.spec, "vram": args.vram, "budget_bytes": budget, "threads": args.threads, "rows": rows}, body)
+                  {"model": ex.spec, "threads": args.threads, "budgets": runs}, body)
 
 
 if __name__ == "__main__":

@@ -233,19 +233,30 @@ class TimedModel:
         return time.perf_counter() - t0
 
 
-def interleaved_times(models: dict[Any, TimedModel], batch_size: int | dict[Any, int], repeats: int) -> dict[Any, float]:
-    """Median step seconds per plan; plans alternate within each repeat so machine load hits all alike.
-
-    `batch_size`: one for all, or one per key."""
+def interleaved_samples(
+    models: dict[Any, TimedModel], batch_size: int | dict[Any, int], repeats: int, target_s: float = 0.0, max_repeats: int = 41
+) -> dict[Any, list[float]]:
+    """Step seconds per plan, `repeats` each (more, up to `max_repeats`, until the first plan has run for
+    `target_s`); plans alternate within each repeat, in reversed order every other repeat, so that machine
+    load hits all alike. `batch_size`: one for all, or one per key."""
     sizes = batch_size if isinstance(batch_size, dict) else dict.fromkeys(models, batch_size)
+    first = next(iter(models))
+    warm = {}
     for k, m in models.items():
-        m.step(sizes[k])  # warm-up: optimizer state, allocator caches
+        warm[k] = m.step(sizes[k])  # warm-up: optimizer state, allocator caches
+    if target_s > 0:
+        repeats = min(max_repeats, max(repeats, round(target_s / max(warm[first], 1e-3))))
     times: dict[Any, list[float]] = {k: [] for k in models}
     for r in range(repeats):
         order = list(models) if r % 2 == 0 else list(reversed(models))
         for k in order:
             times[k].append(models[k].step(sizes[k]))
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
+
+
+def interleaved_times(models: dict[Any, TimedModel], batch_size: int | dict[Any, int], repeats: int, target_s: float = 0.0) -> dict[Any, float]:
+    """Median step seconds per plan (see interleaved_samples)."""
+    return {k: statistics.median(v) for k, v in interleaved_samples(models, batch_size, repeats, target_s).items()}
 
 
 # -- results ------------------------------------------------------------------------------------------
