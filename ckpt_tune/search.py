@@ -210,6 +210,51 @@ class Searcher:
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         return lo
 
+    def _min_peak_at(self, b: int, b1: int) -> int:
+        """Smallest predicted peak at b, on terms probed at b itself."""
+        return min_peak(self.terms(b), self.costs(b1)).peak
+
+    def _settle(self, guess: int, budget: int, b1: int, b2: int) -> int:
+        """The largest batch that fits on terms probed at that batch, with the next one shown not to.
+
+        Starts from the fitted guess and moves by secant steps through the last two probed batches (the
+        smallest peak is close to linear in the batch), keeping a bracket [lo fits, hi does not].
+        """
+        seen: dict[int, int] = {}
+
+        def peak(b: int) -> int:
+            if b not in seen:
+                seen[b] = self._min_peak_at(b, b1)
+            return seen[b]
+
+        lo, hi = (b2, None) if peak(b2) <= budget else (1, b2)
+        if peak(lo) > budget:
+            raise self._no_fit(budget, 1)
+        b = min(max(guess, lo + 1), hi - 1) if hi is not None else max(guess, lo + 1)
+        for _ in range(16):
+            if hi is not None and hi - lo <= 1:
+                break
+            if peak(b) <= budget:
+                lo = b
+            else:
+                hi = b
+            if hi is not None and hi - lo <= 1:
+                break
+            p, q = sorted(seen, key=lambda x: abs(x - b))[:2] if len(seen) >= 2 else (lo, b)
+            slope = (seen[q] - seen[p]) / (q - p) if q != p else 0
+            nxt = p + int((budget - seen[p]) // slope) if slope > 0 else lo + 1
+            upper = hi - 1 if hi is not None else MAX_BATCH
+            if hi is None and nxt <= lo and not self._may_fit(lo + 1, budget, b1, b2):
+                break  # the fitted line puts lo + 1 clearly over budget: no probe needed
+            b = min(max(nxt, lo + 1), upper)
+            if b in seen:  # no progress by secant: bisect the bracket
+                b = (lo + upper + 1) // 2 if hi is not None else lo + 1
+                if b in seen:
+                    break
+        while (hi is None or hi > lo + 1) and self._may_fit(lo + 1, budget, b1, b2) and peak(lo + 1) <= budget:
+            lo += 1
+        return lo
+
     def _may_fit(self, b: int, budget: int, b1: int, b2: int) -> bool:
         """False when the fitted terms put b more than SKIP_MARGIN over budget: no need to probe it."""
         if b in self._terms:
@@ -225,12 +270,7 @@ class Searcher:
             guess = self.largest_fitting(budget, b1, b2)
             if guess == 0:
                 raise self._no_fit(budget, 1)
-            b = guess
-            # the final answer rests on terms measured at b itself (and b+1 shown not to fit)
-            while b > 1 and self.feasible_at(b, budget) is None:
-                b -= 1
-            while b < MAX_BATCH and self._may_fit(b + 1, budget, b1, b2) and self.feasible_at(b + 1, budget) is not None:
-                b += 1
+            b = self._settle(guess, budget, b1, b2)
         else:
             b = batch_size
         room = budget
