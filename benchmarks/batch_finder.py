@@ -115,6 +115,10 @@ def run_budget(ex, vram: str, blocks: tuple[str, ...], repeats: int) -> dict:
         "wall_s": tool_s, "steps": outcome.result.probes, "trials": None, "measured_bytes": tool_peak,
         "fits": tool_peak <= budget, "note": "recorded steps (probes + verification); wall time end to end",
     }]
+    # search probes every plan of probe_configs (no checkpointing included) at the batch it answers: what did
+    # its own recorded steps peak at, against the budget it was given?
+    base = outcome.result.baselines.get("no checkpointing")
+    probe_peak = base.predicted_peak if base else None
     print(f"{vram}: ckpt-tune: batch {plan.batch_size}, {len(plan.checkpoint)}/{len(blocks)} blocks, {tool_s:.1f} s, "
           f"{outcome.result.probes} recorded steps; harness peak {mib(tool_peak)} MiB of {mib(budget)}", flush=True)
     configs = {"ckpt-tune search": (plan.batch_size, tuple(plan.checkpoint))}
@@ -142,7 +146,7 @@ def run_budget(ex, vram: str, blocks: tuple[str, ...], repeats: int) -> dict:
         r["step_s"] = med[cfg]
         r["samples_per_s"] = cfg[0] / med[cfg]
         r["time_ratio_vs_ckpt_tune"] = r["wall_s"] / tool_s
-    return {"vram": vram, "budget_bytes": budget, "rows": rows}
+    return {"vram": vram, "budget_bytes": budget, "rows": rows, "ckpt_tune_no_checkpointing_probe_bytes": probe_peak}
 
 
 def main() -> None:
@@ -177,6 +181,13 @@ def main() -> None:
             ),
             "Trials (batch, fit?): " + "; ".join(f"{r['finder']}: {r['trials']}" for r in rows if r["trials"]),
         ]
+        probe = run["ckpt_tune_no_checkpointing_probe_bytes"]
+        if probe and probe > run["budget_bytes"]:
+            parts.append(
+                f"ckpt-tune's own probes at batch {rows[0]['batch']} include a step without checkpointing, which peaked at "
+                f"{mib(probe)} MiB, {probe / run['budget_bytes']:.2f}x the budget: on a device of exactly this size that "
+                "probe would run out of memory (see benchmarks/README.md)."
+            )
     body = "\n\n".join(parts)
     print(body)
     write_results("batch_finder", "Batch finding: ckpt-tune search vs trial and error",

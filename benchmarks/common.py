@@ -274,10 +274,15 @@ def machine() -> dict[str, str]:
 
 
 def _git_head() -> str:
+    """HEAD, plus the package files that differ from it (the tree is shared with work in progress)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "ckpt_tune", "examples"], cwd=ROOT, capture_output=True,
+                               text=True, check=True).stdout.split("\n")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    changed = [ln[3:] for ln in dirty if ln.strip()]
+    return head + (f" with uncommitted changes to {', '.join(changed)}" if changed else "")
 
 
 def command() -> str:
