@@ -8,5 +8,6 @@ PY=${PY:-.venv/bin/python}
 export TORCH_CPP_LOG_LEVEL=ERROR
 "$PY" benchmarks/accuracy.py
 "$PY" benchmarks/plan_quality.py
+"$PY" benchmarks/plot.py
 "$PY" benchmarks/batch_finder.py
 "$PY" benchmarks/speed.py
