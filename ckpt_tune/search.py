@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from ckpt_tune.errors import NoFitError
@@ -107,6 +108,8 @@ class Searcher:
         self.progress = progress or (lambda msg: None)
         self.units = tuple(units if units is not None else find_blocks(runner.model))
         self.options: tuple[str, ...] = ("none", "block")
+        self.b1, self.b2 = 1, 4  # the two small batch sizes every search probes
+        self.notes: list[str] = []
         self._terms: dict[int, Terms] = {}
         self.runs = 0
         self._costs: dict[int, tuple[tuple[tuple[float, ...], ...], float]] = {}
@@ -156,7 +159,17 @@ class Searcher:
             static = 0
             for choice in probe_configs(len(self.units), len(self.options)).values():
                 names = self.names(choice)
-                m = self.runner.measure(batch_size, checkpoint=names, units=self.units)
+                try:
+                    m = self.runner.measure(batch_size, checkpoint=names, units=self.units)
+                except torch.OutOfMemoryError:
+                    # on a real GPU the no-checkpointing probe at a large batch can exceed the device:
+                    # fall back to the line through the two small batches (verification still runs)
+                    if batch_size in (self.b1, self.b2):
+                        raise
+                    torch.cuda.empty_cache()
+                    self.notes.append(f"batch {batch_size}: a probe ran out of device memory; terms fitted from batches {self.b1} and {self.b2}")
+                    self._terms[batch_size] = self.terms(self.b1).interpolate(self.terms(self.b2), batch_size)
+                    return self._terms[batch_size]
                 self.runs += 1
                 tl = m.timeline
                 cut = cut_run(tl.live_at, tl.max_between, tl.markers, self.units, choice)
@@ -265,6 +278,7 @@ class Searcher:
         return solve(self.terms(b), self.costs(b), budget)
 
     def search(self, budget: int, batch_size: int | None = None, b1: int = 1, b2: int = 4) -> SearchResult:
+        self.b1, self.b2 = b1, b2
         self.order_units(b1)
         if batch_size is None:
             guess = self.largest_fitting(budget, b1, b2)
@@ -308,6 +322,7 @@ class Searcher:
             cost = sum(c[x] for c, x in zip(costs, choice, strict=False))
             res.baselines[label] = FrontierRow(b, t.names(choice), peak, round(cost / step, 4), peak <= budget)
         res.probes = self.runs
+        res.notes.extend(self.notes)
         return res
 
     def frontier(self, budget: int, batch_sizes: list[int], b1: int, b2: int, timed_at: int) -> list[FrontierRow]:
