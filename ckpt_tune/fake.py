@@ -26,8 +26,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import os
-import sys
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -168,23 +166,7 @@ def running() -> Iterator[FakeTensorMode]:
 # --- CPU kernel scratch, measured ----------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _quiet_fd2() -> Iterator[None]:
-    # Kineto prints profiler start/stop lines straight to fd 2.
-    try:
-        fd = sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):
-        yield
-        return
-    sys.stderr.flush()
-    saved, devnull = os.dup(fd), os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, fd)
-        yield
-    finally:
-        os.dup2(saved, fd)
-        os.close(saved)
-        os.close(devnull)
+_quiet_fd2 = timeline.quiet_stderr  # kineto prints profiler start/stop lines straight to fd 2
 
 
 def _signature(func, args, kwargs) -> tuple:

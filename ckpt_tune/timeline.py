@@ -44,7 +44,7 @@ def mark(name: str) -> None:
 
 
 @contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
+def quiet_stderr() -> Iterator[None]:
     """Kineto prints start/stop lines straight to fd 2; keep the user's terminal clean."""
     try:
         fd = sys.stderr.fileno()
@@ -142,13 +142,13 @@ class Recorder:
         if self.device_type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self._prof = torch.profiler.profile(activities=activities, profile_memory=True, record_shapes=False)
-        with _quiet_stderr():
+        with quiet_stderr():
             self._prof.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         assert self._prof is not None
-        with _quiet_stderr():
+        with quiet_stderr():
             self._prof.__exit__(*exc)
         if self._gc_was_enabled:
             gc.enable()

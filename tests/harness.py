@@ -29,8 +29,13 @@ def _wrap(model, names):
         mod.forward = fwd
 
 
-def measured_peak(build, make_batch, loss_fn, batch_size: int, checkpoint=(), optimizer: str = "adamw") -> int:
-    """Peak live bytes of the second training iteration of a freshly built model (steady state)."""
+def measured_peak(
+    build, make_batch, loss_fn, batch_size: int, checkpoint=(), optimizer: str = "adamw", accum_steps: int = 1
+) -> int:
+    """Peak live bytes of the second training iteration of a freshly built model (steady state).
+
+    With `accum_steps` > 1 an iteration is that many micro-batches of `batch_size` (loss / steps,
+    gradients summed by autograd) before the one optimizer step."""
     model = build()
     model.train()
     if checkpoint:
@@ -54,9 +59,14 @@ def measured_peak(build, make_batch, loss_fn, batch_size: int, checkpoint=(), op
                         pass
                 for p in params:
                     p.grad = None
-                batch = make_batch(batch_size)
-                loss = loss_fn(model, batch)
-                loss.backward()
+                for k in range(accum_steps):
+                    if k:
+                        del loss, batch  # the previous micro-batch's; the last one lives through the step
+                    batch = make_batch(batch_size)
+                    loss = loss_fn(model, batch)
+                    if accum_steps > 1:
+                        loss = loss / accum_steps
+                    loss.backward()
                 if opt is not None:
                     opt.step()
                 del loss, batch

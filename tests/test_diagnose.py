@@ -4,19 +4,17 @@ are checked against their arithmetic. Also: ranking, the exit-3 answer, the comm
 
 from __future__ import annotations
 
-import gc
 import json
 import sys
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
 
 from ckpt_tune import cli, diagnose_cli
 from ckpt_tune.diagnose import Remedy, apply_lora, diagnose, lora_applied, no_fit_error, rank_remedies
 from ckpt_tune.sharding import eight_bit_moment, eight_bit_state_bytes, offload_moment, peak_of, shard_moment
 from tests.fixtures.models import ZOO, write_target_file
-from tests.harness import MARK, _wrap, measured_peak
+from tests.harness import measured_peak
 
 MiB = 2**20
 FX = ZOO["mlp_blocks"]
@@ -44,44 +42,8 @@ def tight(target):
 
 
 def accumulation_peak(build, make_batch, loss_fn, micro: int, steps: int, checkpoint=()) -> int:
-    """Ground truth for gradient accumulation, in the manner of tests/harness.measured_peak: `steps`
-    micro-batches of `micro`, loss / steps, gradients summed by autograd, then one AdamW step."""
-    model = build()
-    model.train()
-    if checkpoint:
-        _wrap(model, checkpoint)
-    params = [p for p in model.parameters() if p.requires_grad]
-    before = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()]}
-    gc.collect()
-    gc.disable()
-    try:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            opt = torch.optim.AdamW(params, lr=1e-3)
-            for i in range(2):
-                if i == 1:
-                    with record_function(MARK):
-                        pass
-                for p in params:
-                    p.grad = None
-                for _ in range(steps):
-                    batch = make_batch(micro)
-                    loss = loss_fn(model, batch) / steps
-                    loss.backward()
-                    del loss, batch
-                opt.step()
-    finally:
-        gc.enable()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() in ("[memory]", MARK)), key=lambda e: e.start_ns())
-    live, peak, started = 0, 0, False
-    for e in events:
-        if e.name() == MARK:
-            started, peak = True, live
-            continue
-        if e.device_type() == torch.autograd.DeviceType.CPU:
-            live += e.nbytes()
-        if started:
-            peak = max(peak, live)
-    return sum(before.values()) + peak
+    """Ground truth for gradient accumulation: `steps` micro-batches of `micro`, then one AdamW step."""
+    return measured_peak(build, make_batch, loss_fn, micro, checkpoint=checkpoint, accum_steps=steps)
 
 
 def _bf16_loss(model, batch):
