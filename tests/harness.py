@@ -59,9 +59,8 @@ def measured_peak(
                         pass
                 for p in params:
                     p.grad = None
-                for k in range(accum_steps):
-                    if k:
-                        del loss, batch  # the previous micro-batch's; the last one lives through the step
+                for _ in range(accum_steps):
+                    loss = batch = None  # free the previous micro-batch's; the last one lives through the step
                     batch = make_batch(batch_size)
                     loss = loss_fn(model, batch)
                     if accum_steps > 1:
