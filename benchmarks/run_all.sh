@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Run benchmarks 1-4 and rewrite benchmarks/results/. About 30-40 minutes on an idle 2-core machine
-# (accuracy and plan quality dominate); each script also runs on its own.
+# Run benchmarks 1-4 and rewrite benchmarks/results/. About 20 minutes on the 2-core machine
+# (plan quality and speed dominate); each script also runs on its own.
 # The GPU check is separate: .venv/bin/python benchmarks/gpu_validate.py (a CUDA machine, < 8 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."

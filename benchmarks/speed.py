@@ -113,7 +113,11 @@ def main() -> None:
     ap.add_argument("--threads", default=1, type=int,
                     help="OMP_NUM_THREADS of each case (on this 2-vCPU machine 1 thread ran the GPT profile 2.6x faster than 2)")
     args = ap.parse_args()
+    import torch
+
     from benchmarks.common import md_table, write_results
+
+    torch.set_num_threads(args.threads)  # this process's own count, as the results header reports it
 
     wanted = set(args.only.split(","))
     rows = []
