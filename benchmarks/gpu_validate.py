@@ -36,6 +36,7 @@ from benchmarks.common import EXAMPLES, example, md_table, mib, wrap_blocks, wri
 
 BATCHES = {"gpt": (16, 64), "resnet": (64, 256), "unet": (32, 128), "hf_gpt2": (8, 32)}
 GiB = 1 << 30
+LIMIT_S = {"accuracy": 60, "card": 150}  # per model; --budget-s bounds the whole run
 
 
 def _to(obj, device):
@@ -130,6 +131,8 @@ def accuracy(name: str) -> list[dict]:
 
     ex = example(name)
     rows = []
+    # predictions first, then the tool's model leaves the device: max_memory_allocated() counts the whole
+    # device, so nothing but the measured step may be resident while it runs
     s = tool_searcher(ex.spec, device="cuda")
     try:
         s.order_units(BATCHES[name][0])
@@ -141,20 +144,20 @@ def accuracy(name: str) -> list[dict]:
             sol = solve(t, s.costs(b), budget)
             plans = [("none", none), ("every block", every)] + ([("planner @ midpoint", sol.choice)] if sol else [])
             for label, choice in plans:
-                names = list(t.names(choice))
-                got = cuda_peak(ex, b, names)
-                pred = predict(t, choice)
-                row = {"model": name, "batch": b, "plan": label, "checkpointed": names, "predicted_bytes": pred}
-                if isinstance(got, str):
-                    row["measured"] = got
-                else:
-                    row.update(allocated_bytes=got[0], reserved_bytes=got[1], error=(pred - got[0]) / got[0])
-                rows.append(row)
-                print(row, flush=True)
+                rows.append({"model": name, "batch": b, "plan": label, "checkpointed": list(t.names(choice)),
+                             "predicted_bytes": predict(t, choice)})
     finally:
         s.runner.__exit__(None, None, None)
+        s.runner.model.to("cpu")
         del s
         _free()
+    for row in rows:
+        got = cuda_peak(ex, row["batch"], row["checkpointed"])
+        if isinstance(got, str):
+            row["measured"] = got
+        else:
+            row.update(allocated_bytes=got[0], reserved_bytes=got[1], error=(row["predicted_bytes"] - got[0]) / got[0])
+        print(row, flush=True)
     for b in BATCHES[name]:
         prof = profile(ex.spec, batch_size=b, settings=Settings(device="cuda"), scaling=False)
         _free()
@@ -176,13 +179,15 @@ def card(name: str, vram_gib: float, repeats: int) -> dict:
     out: dict = {"model": name, "vram_gib": vram_gib, "fraction": fraction, "total_bytes": total}
     torch.cuda.set_per_process_memory_fraction(fraction)
     t0 = time.perf_counter()
+    outcome = None
     try:
         outcome = search(ex.spec, vram=f"{vram_gib:g}GiB", settings=Settings(device="cuda"))
         out["search_under_cap"] = "ok"
     except Exception as e:  # the tool's own probes may not fit the card
         out["search_under_cap"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    _free()  # outside the except clause: the exception's frames held the failed probe's tensors
+    if outcome is None:
         torch.cuda.set_per_process_memory_fraction(1.0)
-        _free()
         outcome = search(ex.spec, vram=f"{vram_gib:g}GiB", settings=Settings(device="cuda"))
     out["search_s"] = time.perf_counter() - t0
     _free()
@@ -264,7 +269,6 @@ def main() -> None:
         return
     t_start = time.perf_counter()
     models = args.models.split(",")
-    per_section = args.budget_s / (2 * len(models))
     acc, cards, skipped = [], [], []
     for name in models:
         for section, fn in (("accuracy", lambda n=name: acc.extend(accuracy(n))),
@@ -274,13 +278,13 @@ def main() -> None:
                 skipped.append(f"{name} {section}: out of time")
                 continue
             try:
-                with deadline(int(min(left, 2 * per_section))):
+                with deadline(int(min(left, LIMIT_S[section]))):
                     fn()
             except Exception as e:
                 skipped.append(f"{name} {section}: {type(e).__name__}: {e}")
                 traceback.print_exc()
-                torch.cuda.set_per_process_memory_fraction(1.0)
-                _free()
+            torch.cuda.set_per_process_memory_fraction(1.0)
+            _free()
     body, summary = render(acc, cards, skipped, args.vram_gib, time.perf_counter() - t_start, torch.cuda.get_device_name(0))
     print(body)
     write_results("gpu_validate", "GPU validation", {"summary": summary, "accuracy": acc, "cards": cards}, body)

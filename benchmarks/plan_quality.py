@@ -263,6 +263,9 @@ def main() -> None:
             "median_overhead_when_fits": statistics.median([c["overhead"] for c in fit]) if fit else None,
             "worst_overshoot": max(over) if over else None,
         }
+    under = [(v["overhead"] - 1) / v["predicted_overhead"] for r in results for e in r["budgets"]
+             for v in [e["plans"].get("ckpt-tune", {})] if v.get("predicted_overhead")]
+    recompute = {"median": statistics.median(under), "min": min(under), "max": max(under)} if under else None
     lines = [
         "Four budgets per model between the harness-measured peaks of every-block checkpointing and of no "
         "checkpointing; each plan's peak measured by the independent harness; overhead = median step time with "
@@ -280,6 +283,10 @@ def main() -> None:
                    f"{v['median_time_vs_ckpt_tune_when_both_fit']:.3f}" if v["median_time_vs_ckpt_tune_when_both_fit"] else "-",
                    f"+{100 * v['worst_overshoot']:.1f}%" if v["worst_overshoot"] is not None else "-"] for m, v in summary.items()]),
     ]
+    if recompute:
+        lines += ["", f"ckpt-tune's predicted recompute fraction (the plan's `predicted_recompute_fraction`: its blocks' "
+                  f"forward times over the step) against the measured extra step time: measured / predicted = "
+                  f"{recompute['median']:.2f} (median; {recompute['min']:.2f}-{recompute['max']:.2f})."]
     for r in results:
         lines += ["", f"## {r['model']} (batch {r['batch']}, {len(r['units'])} blocks: {', '.join(r['units'])})", "",
                   f"No checkpointing {mib(r['none_bytes'])} MiB, every block {mib(r['every_block_bytes'])} MiB "
@@ -292,11 +299,14 @@ def main() -> None:
                              mib(v["measured_bytes"]) if v.get("measured_bytes") else "-",
                              ("yes" if v["fits"] else f"no (+{100 * (v['measured_bytes'] / e['budget_bytes'] - 1):.1f}%)") if "fits" in v else "-",
                              f"{v['overhead']:.3f}x" if "overhead" in v else "-",
+                             f"{1 + v['predicted_overhead']:.3f}x" if "predicted_overhead" in v else "-",
                              mib(v["predicted_bytes"]) if v.get("predicted_bytes") else "-"])
-        lines.append(md_table(["budget MiB", "method", "plan", "measured MiB", "fits", "overhead", "model's prediction MiB"], rows))
+        lines.append(md_table(["budget MiB", "method", "plan", "measured MiB", "fits", "overhead", "predicted overhead",
+                               "model's prediction MiB"], rows))
     body = "\n".join(lines)
     print(body)
-    write("plan_quality", "Plan quality under a budget", {"sac_ilp": sac or "ran", "summary": summary, "models": results}, body)
+    write("plan_quality", "Plan quality under a budget", {"sac_ilp": sac or "ran", "summary": summary,
+          "recompute_measured_over_predicted": recompute, "models": results}, body)
 
 
 if __name__ == "__main__":
