@@ -144,12 +144,20 @@ class Searcher:
 
     def _timing(self, batch_size: int) -> tuple[tuple[tuple[float, ...], ...], float]:
         if batch_size not in self._costs:
-            t = self.runner.time_step(batch_size, repeats=3)
+            scale, oom = 1.0, False
+            try:
+                t = self.runner.time_step(batch_size, repeats=3)
+            except torch.OutOfMemoryError:
+                oom = True  # the plain step at this batch exceeds the device (a real GPU): time a small one
+            if oom:
+                torch.cuda.empty_cache()
+                self.notes.append(f"batch {batch_size}: the plain step does not fit the device; times scaled from batch {self.b2}")
+                t, scale = self.runner.time_step(self.b2, repeats=3), batch_size / self.b2
             costs = tuple(
-                (0.0, *(max(t.forward_ms.get(u if k == 1 else f"{u}.{self.options[k]}", 0.0), 1e-6) for k in range(1, len(self.options))))
+                (0.0, *(scale * max(t.forward_ms.get(u if k == 1 else f"{u}.{self.options[k]}", 0.0), 1e-6) for k in range(1, len(self.options))))
                 for u in self.units
             )
-            self._costs[batch_size] = (costs, t.step_ms)
+            self._costs[batch_size] = (costs, scale * t.step_ms)
         return self._costs[batch_size]
 
     def terms(self, batch_size: int) -> Terms:
@@ -166,6 +174,8 @@ class Searcher:
                     # fall back to the line through the two small batches (verification still runs)
                     if batch_size in (self.b1, self.b2):
                         raise
+                    m = None
+                if m is None:  # outside the except clause, so the failed step's tensors are gone
                     torch.cuda.empty_cache()
                     self.notes.append(f"batch {batch_size}: a probe ran out of device memory; terms fitted from batches {self.b1} and {self.b2}")
                     self._terms[batch_size] = self.terms(self.b1).interpolate(self.terms(self.b2), batch_size)
