@@ -297,13 +297,12 @@ class Searcher:
             b = self._settle(guess, budget, b1, b2)
         else:
             b = batch_size
-        room = budget
-        for _ in range(6):
+        room, tightened = budget, 0
+        for _ in range(4 * 8):
             sol = solve(self.terms(b), self.costs(b), room)
-            if sol is None:
-                if batch_size is None and b > 1:
-                    b -= 1
-                    room = budget
+            if sol is None or tightened >= 3:
+                if batch_size is None and b > 1:  # this batch does not fit after all: one smaller
+                    b, room, tightened = b - 1, budget, 0
                     continue
                 raise self._no_fit(budget, b)
             names = sol.names(self.terms(b))
@@ -311,6 +310,7 @@ class Searcher:
             if verified <= budget:
                 return self._result(b, sol, verified, budget)
             room -= verified - budget  # the model was optimistic here: tighten and re-solve
+            tightened += 1
         raise self._no_fit(budget, b)
 
     def _result(self, b: int, sol: Solution, verified: int, budget: int) -> SearchResult:

@@ -1,0 +1,38 @@
+"""On a GPU of exactly the budget's size, search's plain probes at a large batch run out of memory.
+Simulated on CPU: the plain (no checkpointing) step raises OutOfMemoryError above a batch size."""
+
+from __future__ import annotations
+
+import torch
+
+from ckpt_tune.runner import StepRunner
+from ckpt_tune.search import Searcher
+from tests.fixtures.models import ZOO
+from tests.harness import measured_peak
+
+
+def test_search_survives_plain_steps_that_do_not_fit_the_device(monkeypatch):
+    fx = ZOO["mlp_blocks"]
+    real_measure, real_time = StepRunner.measure, StepRunner.time_step
+
+    def measure(self, batch_size, checkpoint=(), units=(), attribute=False):
+        if batch_size > 8 and not checkpoint:
+            raise torch.OutOfMemoryError("simulated: the plain step exceeds the device")
+        return real_measure(self, batch_size, checkpoint, units, attribute)
+
+    def time_step(self, batch_size, checkpoint=(), repeats=3):
+        if batch_size > 8 and not checkpoint:
+            raise torch.OutOfMemoryError("simulated: the plain step exceeds the device")
+        return real_time(self, batch_size, checkpoint, repeats)
+
+    monkeypatch.setattr(StepRunner, "measure", measure)
+    monkeypatch.setattr(StepRunner, "time_step", time_step)
+    every = [f"blocks.{i}" for i in range(6)]
+    budget = measured_peak(fx.build, fx.make_batch, fx.loss_fn, 24, checkpoint=every)
+    with StepRunner(fx.build(), fx.make_batch, fx.loss_fn) as runner:
+        res = Searcher(runner).search(budget)
+    assert res.batch_size > 8
+    assert any("ran out of device memory" in n for n in res.notes)
+    assert any("times scaled" in n for n in res.notes)
+    truth = measured_peak(fx.build, fx.make_batch, fx.loss_fn, res.batch_size, checkpoint=list(res.checkpoint))
+    assert res.verified_peak == truth <= budget
