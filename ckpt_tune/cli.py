@@ -49,6 +49,19 @@ def _settings(device, precision, optimizer, batch_fn, loss_fn, hf_config, seq_le
     return Settings(device, precision, optimizer, batch_fn, loss_fn, hf_config, seq_len, attn)
 
 
+def _say_attention(hf_config, attn: str, seq_len: int) -> None:
+    """The attention kernel changes activation memory by O(T) vs O(T²) per head: say which was modelled."""
+    if hf_config:
+        from ckpt_tune import report
+
+        if attn == "eager":
+            what = "the eager path, which saves the T×T attention matrix per head"
+        else:
+            what = (f"{attn}: flash-style kernels save O(T) per head, but with attention dropout or an explicit "
+                    "mask sdpa falls back to the math path (T×T); the numbers above are the kernel this device ran")
+        report.err.print(f"attention at sequence {seq_len}: {what}")
+
+
 def _print_json(obj) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
 
@@ -82,6 +95,7 @@ def profile(
     with report.progress("profiling") as _:
         prof = api.profile(target, batch_size=batch_size, settings=settings)
     report.render_profile(prof, top=top, depth=depth)
+    _say_attention(hf_config, attn, seq_len)
     d = prof.to_dict()
     if save:
         import yaml
@@ -126,6 +140,7 @@ def search(
     plan_yaml = plan_to_yaml(outcome.plan)
     snippet = patch_snippet(outcome.plan, hf=outcome.is_hf)
     report.render_search(outcome, plan_yaml, snippet, elapsed)
+    _say_attention(hf_config, attn, seq_len)
     if out:
         write_plan(outcome.plan, out)
         report.err.print(f"plan written to {out}")
