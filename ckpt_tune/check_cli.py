@@ -33,6 +33,7 @@ def register(app: typer.Typer) -> None:
     from ckpt_tune.cli import (
         Attn,
         BatchFn,
+        BatchSize,
         Device,
         HfConfig,
         Json,
@@ -60,7 +61,7 @@ def register(app: typer.Typer) -> None:
         update: Annotated[
             bool, typer.Option("--update", help="measure and overwrite the baseline (exit 0)")
         ] = False,
-        batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="micro-batch size")] = 8,
+        batch_size: BatchSize = 8,
         plan: Annotated[
             Path | None, typer.Option("--plan", help="measure with this plan's checkpointing applied")
         ] = None,

@@ -41,6 +41,8 @@ HfConfig = Annotated[str | None, typer.Option("--hf-config", help="build a Huggi
 SeqLen = Annotated[int, typer.Option("--seq-len", help="sequence length of the --hf-config batch")]
 Attn = Annotated[str, typer.Option("--attn", help="attention kernel for --hf-config: sdpa | eager | flash")]
 Json = Annotated[bool, typer.Option("--json", help="print the result as JSON on stdout")]
+BatchSize = Annotated[int, typer.Option("--batch-size", "-b", min=1, help="micro-batch size")]
+Margin = Annotated[str | None, typer.Option(help="held back from the budget: 5% or 512MiB (default 5% on cuda, 0 on cpu)")]
 
 
 def _settings(device, precision, optimizer, batch_fn, loss_fn, hf_config, seq_len, attn):
@@ -74,7 +76,7 @@ def _root(debug: Annotated[bool, typer.Option("--debug", help="show full traceba
 @app.command()
 def profile(
     target: TargetArg = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="micro-batch size")] = 8,
+    batch_size: BatchSize = 8,
     device: Device = None,
     precision: Precision = "fp32",
     optimizer: Optim = "adamw",
@@ -115,7 +117,7 @@ def search(
     device: Device = None,
     precision: Precision = "fp32",
     optimizer: Optim = "adamw",
-    margin: Annotated[str | None, typer.Option(help="held back from the budget: 5% or 512MiB (default 5% on cuda, 0 on cpu)")] = None,
+    margin: Margin = None,
     batch_fn: BatchFn = None,
     loss_fn: LossFn = None,
     hf_config: HfConfig = None,
