@@ -141,7 +141,7 @@ def search(
     budget = parse_budget(vram, "cuda" if device == "meta" else device, margin)
     _model, runner, step = _runner(t, settings)
     with _user_errors("searching"), runner:
-        searcher = Searcher(runner, progress=progress, world_size=world_size, shard=shard)
+        searcher = Searcher(runner, progress=progress, world_size=world_size, shard=shard, segments=True)
         fixed = batch_size
         if target_batch is not None and batch_size is None:
             fixed = None

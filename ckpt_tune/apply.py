@@ -4,7 +4,9 @@ Only memory and time may change (DESIGN.md §5): same loss, gradients, BatchNorm
 random stream. The wrapper replaces `forward` on the module *instance*, so module names, state_dict keys
 and hooks are untouched; the module's own hooks (FSDP's included) stay outside the checkpoint and run
 once. The patch snippet of `emit.patch_snippet` does the same with plain torch and uses the same
-attribute names, so `applied_names` and `remove` recognise modules wrapped by either.
+attribute names, so `applied_names` and `remove` recognise modules wrapped by either. A segment (a list
+of consecutive blocks in the plan) is checkpointed as one region by ckpt_tune/segment.py, which the
+patch snippet embeds.
 """
 
 from __future__ import annotations
@@ -12,67 +14,38 @@ from __future__ import annotations
 import difflib
 import logging
 import types
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
 
-from ckpt_tune.emit import Plan, load_plan
+from ckpt_tune.emit import Entry, Plan, load_plan, member_names
 from ckpt_tune.errors import PlanError
+from ckpt_tune.segment import (
+    INNER_ATTR,
+    SEGMENT_ATTR,
+    SEGMENT_FORWARD,
+    Segment,
+    inner_forward,
+    throwaway_running_stats,
+    unwrap_segment_block,
+)
 
 log = logging.getLogger(__name__)
 
 # Shared with the patch snippet (emit.py): the wrapper's function name marks a wrapped module, and a
 # forward the instance had before wrapping (e.g. one set by accelerate) is kept under this attribute.
 _WRAPPER_NAME = "_ckpt_forward"
-_INNER_ATTR = "_ckpt_inner_forward"
+_INNER_ATTR = INNER_ATTR
 # Set on the root module by `apply`: the configs whose `use_cache` it turned off, for `remove`.
 _SAVED_CACHE_ATTR = "_ckpt_tune_use_cache_off"
 
 
-@contextmanager
-def _throwaway_running_stats(module: nn.Module) -> Iterator[None]:
-    """Let every norm layer inside `module` update clones of its running statistics, then put the
-    real buffers back.
-
-    Why clones rather than `F.batch_norm(running_mean=None, ...)`: in training mode `native_batch_norm`
-    saves running_mean and running_var for backward, so a recompute without them saves two tensors
-    fewer than the original forward and non-reentrant checkpoint, which matches saved tensors by
-    position, fails ("A different number of tensors was saved"). With clones the recompute runs the
-    same kernel with the same arguments: outputs are bit-for-bit those of the first forward (training
-    mode normalises with batch statistics; eval mode reads running stats the forward did not change).
-    Covers BatchNorm*d, SyncBatchNorm, LazyBatchNorm and InstanceNorm with track_running_stats.
-    The swap is visible to other threads for the length of the recompute; autograd runs it while the
-    caller is blocked in backward(), so only a second thread running the same modules would see it.
-    """
-    kept = [
-        (m, name, buf)
-        for m in module.modules()
-        if isinstance(m, _NormBase)
-        for name, buf in m._buffers.items()
-        if buf is not None
-    ]
-    for m, name, buf in kept:
-        m._buffers[name] = buf.clone()
-    try:
-        yield
-    finally:
-        for m, name, buf in kept:
-            m._buffers[name] = buf
-
-
-def _inner_forward(module: nn.Module):
-    inner = module.__dict__.get(_INNER_ATTR)
-    return inner if inner is not None else types.MethodType(type(module).forward, module)
-
-
 def _ckpt_forward(self: nn.Module, *args, **kwargs):
     """The instance-level forward of a wrapped module (bound with MethodType, so deepcopy binds the copy)."""
-    inner = _inner_forward(self)
+    inner = inner_forward(self)
     if not (self.training and torch.is_grad_enabled()):
         return inner(*args, **kwargs)
     calls = 0
@@ -83,7 +56,7 @@ def _ckpt_forward(self: nn.Module, *args, **kwargs):
         calls += 1
         if calls == 1:
             return inner(*a, **kwargs)
-        with _throwaway_running_stats(self):
+        with throwaway_running_stats(self):
             return inner(*a, **kwargs)
 
     # kwargs reach `run` by closure, not through checkpoint(), so a module keyword named like one of
@@ -93,33 +66,49 @@ def _ckpt_forward(self: nn.Module, *args, **kwargs):
 
 def _is_wrapped(module: nn.Module) -> bool:
     own = module.__dict__.get("forward")
-    return getattr(own, "__name__", None) == _WRAPPER_NAME
+    return getattr(own, "__name__", None) in (_WRAPPER_NAME, SEGMENT_FORWARD)
 
 
 def applied_names(model: nn.Module) -> tuple[str, ...]:
-    """Names of the modules of `model` that are wrapped (by `apply` or by the patch snippet), in order."""
+    """Names of the modules of `model` that are wrapped (by `apply` or by the patch snippet), in order;
+    each block of a segment is listed by its own name."""
     return tuple(name for name, m in model.named_modules() if _is_wrapped(m))
 
 
-def _names_from(plan_or_path: Plan | str | Path | dict | Sequence[str]) -> tuple[str, ...]:
+def _is_entry(e: object) -> bool:
+    return isinstance(e, str) or (isinstance(e, (list, tuple)) and all(isinstance(n, str) for n in e))
+
+
+def _names_from(plan_or_path: Plan | str | Path | dict | Sequence[Entry]) -> tuple[Entry, ...]:
     if isinstance(plan_or_path, (Plan, str, Path, dict)):
         return load_plan(plan_or_path).checkpoint
-    if isinstance(plan_or_path, Sequence) and all(isinstance(n, str) for n in plan_or_path):
-        return tuple(plan_or_path)
+    if isinstance(plan_or_path, Sequence) and all(_is_entry(e) for e in plan_or_path):
+        return tuple(e if isinstance(e, str) else tuple(e) for e in plan_or_path)
     raise PlanError(
         f"cannot apply {type(plan_or_path).__name__}: expected a Plan, a plan file path, a mapping or a list "
-        "of module names",
+        "of module names (a segment: a list of consecutive blocks' names)",
         hint='e.g. ckpt_tune.apply(model, "plan.yaml") or ckpt_tune.apply(model, ["blocks.0", "blocks.2"])',
     )
 
 
-def _resolve(model: nn.Module, names: Sequence[str]) -> dict[str, nn.Module]:
-    """name -> module, refusing the root, unknown names and a module listed with one of its ancestors."""
+def _resolve(model: nn.Module, entries: Sequence[Entry]) -> dict[str, nn.Module]:
+    """name -> module for every name of the entries, refusing the root, unknown names, a segment of
+    fewer than two blocks, a name listed twice and a module listed with one of its ancestors."""
+    names = member_names(entries)
     if "" in names:
         raise PlanError(
             "the plan names the root module '' (the whole model)",
             hint="checkpoint submodules such as the repeated blocks; checkpointing the whole model saves nothing",
         )
+    for e in entries:
+        if not isinstance(e, str) and len(e) < 2:
+            raise PlanError(
+                f"the plan lists a segment of {len(e)} block(s): {list(e)}",
+                hint="a segment is two or more consecutive blocks; write a single block as its name alone",
+            )
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise PlanError(f"the plan lists {twice[0]!r} more than once", hint="list each module once")
     found: dict[str, nn.Module] = {}
     missing: list[str] = []
     for name in names:
@@ -189,29 +178,52 @@ def _turn_off_use_cache(model: nn.Module) -> None:
             log.info("set %s.config.use_cache = False for checkpointing", type(m).__name__)
 
 
-def apply(model: nn.Module, plan_or_path: Plan | str | Path | dict | Sequence[str]) -> nn.Module:
+def apply(model: nn.Module, plan_or_path: Plan | str | Path | dict | Sequence[Entry]) -> nn.Module:
     """Wrap the modules the plan names with non-reentrant checkpoint, in place; returns `model`.
 
-    Accepts a Plan, a plan file path, a mapping with the plan file's keys, or a list of module names.
-    Idempotent: a module already wrapped is left as it is. Raises PlanError for names the model lacks,
-    for the root module, for a module listed together with one of its ancestors, and for modules that
-    Hugging Face's own checkpointing already covers. Hugging Face models get `config.use_cache = False`
-    (a KV cache would be filled again by the recompute); `remove` restores it.
+    Accepts a Plan, a plan file path, a mapping with the plan file's keys, or a list whose entries are
+    module names or segments (lists of the names of consecutive blocks, checkpointed as one region:
+    ckpt_tune/segment.py). Idempotent: a module already wrapped is left as it is. Raises PlanError for
+    names the model lacks, for the root module, for a module listed together with one of its ancestors,
+    for a segment whose blocks are already wrapped otherwise, and for modules that Hugging Face's own
+    checkpointing already covers. Hugging Face models get `config.use_cache = False` (a KV cache would
+    be filled again by the recompute); `remove` restores it.
     """
     if not isinstance(model, nn.Module):
         raise PlanError(f"apply needs an nn.Module, got {type(model).__name__}")
-    names = _names_from(plan_or_path)
-    modules = _resolve(model, names)
+    entries = _names_from(plan_or_path)
+    modules = _resolve(model, entries)
     if modules:
         _turn_off_use_cache(model)
-    for module in modules.values():
-        if _is_wrapped(module):
+    for entry in entries:
+        if isinstance(entry, str):
+            module = modules[entry]
+            if _is_wrapped(module):
+                continue
+            own = module.__dict__.get("forward")
+            if own is not None:
+                setattr(module, _INNER_ATTR, own)
+            module.forward = types.MethodType(_ckpt_forward, module)
             continue
-        own = module.__dict__.get("forward")
-        if own is not None:
-            setattr(module, _INNER_ATTR, own)
-        module.forward = types.MethodType(_ckpt_forward, module)
+        blocks = [modules[n] for n in entry]
+        if _same_segment(blocks):
+            continue
+        wrapped = [n for n, b in zip(entry, blocks, strict=True) if _is_wrapped(b)]
+        if wrapped:
+            raise PlanError(
+                f"cannot checkpoint {entry[0]}..{entry[-1]} as one segment: {wrapped[0]} is already checkpointed",
+                hint="call ckpt_tune.remove(model) first, or apply one plan only",
+            )
+        Segment(blocks, f"segment {entry[0]}..{entry[-1]}").wrap()
     return model
+
+
+def _same_segment(blocks: list[nn.Module]) -> bool:
+    """True when `blocks` are already wrapped as exactly one segment, in this order."""
+    marks = [b.__dict__.get(SEGMENT_ATTR) for b in blocks]
+    return all(m is not None for m in marks) and all(
+        m[0] is marks[0][0] and m[1] == i and m[0].blocks[i] is b for i, (m, b) in enumerate(zip(marks, blocks, strict=True))
+    ) and len(marks[0][0].blocks) == len(blocks)
 
 
 def remove(model: nn.Module) -> None:
@@ -219,6 +231,10 @@ def remove(model: nn.Module) -> None:
     `use_cache` settings `apply` turned off."""
     for module in model.modules():
         if not _is_wrapped(module):
+            continue
+        if SEGMENT_ATTR in module.__dict__:
+            module.__dict__[SEGMENT_ATTR][0].close()
+            unwrap_segment_block(module)
             continue
         inner = module.__dict__.pop(_INNER_ATTR, None)
         del module.__dict__["forward"]

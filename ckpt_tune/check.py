@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from ckpt_tune.emit import OPTIMIZERS, PRECISIONS, Plan, load_plan
+from ckpt_tune.emit import OPTIMIZERS, PRECISIONS, Plan, entry_label, load_plan
 from ckpt_tune.errors import BaselineError, CkptTuneError, RegressionError
 from ckpt_tune.units import format_bytes, parse_percent
 
@@ -547,7 +547,7 @@ def raise_for_status(result: CheckResult) -> None:
 def show_setting(value: Any) -> str:
     """A setting for people: a checkpoint list as "blocks.0, blocks.2" (no brackets: rich reads them as markup)."""
     if isinstance(value, (list, tuple)):
-        return ", ".join(value) if value else "no checkpointing"
+        return ", ".join(entry_label(e) for e in value) if value else "no checkpointing"
     return str(value)
 
 
@@ -585,7 +585,12 @@ def baseline_to_yaml(b: Baseline) -> str:
         _line("precision", s.precision, indent=2),
         _line("optimizer", s.optimizer, indent=2),
         _line("device", s.device, indent=2),
-        _line("checkpoint", list(s.checkpoint), "modules checkpointed by the --plan", indent=2),
+        _line(
+            "checkpoint",
+            [e if isinstance(e, str) else list(e) for e in s.checkpoint],
+            "modules checkpointed by the --plan",
+            indent=2,
+        ),
     ]
     if s.seq_len is not None or s.attn is not None:
         lines += [_line("seq_len", s.seq_len, indent=2), _line("attn", s.attn, indent=2)]
@@ -726,8 +731,13 @@ def load_baseline(path: str | Path) -> Baseline:
         )
     s = r.keys(data["settings"], _SETTING_KEYS, _OPTIONAL_SETTINGS, "settings.")
     ckpt = s.get("checkpoint") or []
-    if not isinstance(ckpt, list) or not all(isinstance(n, str) for n in ckpt):
-        raise r.fail("settings.checkpoint", f"must be a list of module names, got {ckpt!r}")
+    if not isinstance(ckpt, list) or not all(
+        isinstance(n, str) or (isinstance(n, list) and len(n) >= 2 and all(isinstance(m, str) for m in n)) for n in ckpt
+    ):
+        raise r.fail(
+            "settings.checkpoint",
+            f"must be a list of module names (a segment: a list of two or more), got {ckpt!r}",
+        )
     device = r.text(s["device"], "settings.device")
     if _device_kind(device) not in ("cpu", "cuda", "meta"):
         raise r.fail("settings.device", f"is {device!r}, not cpu, cuda, cuda:N or meta")
@@ -736,7 +746,7 @@ def load_baseline(path: str | Path) -> Baseline:
         precision=r.text(s["precision"], "settings.precision", PRECISIONS),
         optimizer=r.text(s["optimizer"], "settings.optimizer", OPTIMIZERS),
         device=device,
-        checkpoint=tuple(ckpt),
+        checkpoint=tuple(n if isinstance(n, str) else tuple(n) for n in ckpt),
         seq_len=r.integer(s.get("seq_len"), "settings.seq_len", 1, nullable=True),
         attn=None if s.get("attn") is None else r.text(s["attn"], "settings.attn"),
     )

@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ckpt_tune.check import percent, show_setting
+from ckpt_tune.emit import member_names
 from ckpt_tune.units import format_bytes
 
 _PART_LABELS = {
@@ -217,7 +218,7 @@ def render_check(result, top: int = 10) -> None:
     recorded = f" (recorded {result.baseline_created})" if result.baseline_created else ""
     err.print(
         escape(f"{result.target}{against}{recorded}") + f": batch {s.batch_size}, {s.device}, {s.precision}, "
-        f"optimizer {s.optimizer}" + (f", checkpointing {len(s.checkpoint)} modules" if s.checkpoint else "")
+        f"optimizer {s.optimizer}" + (f", checkpointing {len(member_names(s.checkpoint))} modules" if s.checkpoint else "")
     )
     if result.settings_diff:
         err.print("[bold]settings that differ from the baseline's[/bold]")

@@ -7,6 +7,7 @@ Pure: no device, no model execution. The YAML layout is the user contract of DES
 from __future__ import annotations
 
 import difflib
+import inspect
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -23,6 +24,20 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "none")
 DEVICES = ("cpu", "cuda", "meta")
 PLAN_VERSION = 1
 
+# An entry of a plan's `checkpoint` list: a module name, or a segment: the names of two or more
+# consecutive blocks checkpointed as one region (ckpt_tune/segment.py).
+Entry = str | tuple[str, ...]
+
+
+def member_names(entries) -> list[str]:
+    """Every module name of a checkpoint list, segments flattened, in order."""
+    return [n for e in entries for n in ((e,) if isinstance(e, str) else e)]
+
+
+def entry_label(entry: Entry) -> str:
+    """`blocks.0`, or `blocks.2..blocks.4` for a segment."""
+    return entry if isinstance(entry, str) else f"{entry[0]}..{entry[-1]}"
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -33,7 +48,7 @@ class Plan:
     budget_bytes: int | None  # the budget searched against; None when the plan was not searched for one
     batch_size: int  # micro-batch per step
     grad_accum_steps: int  # micro-batches per optimizer step
-    checkpoint: tuple[str, ...]  # names from model.named_modules(), wrapped with non-reentrant checkpoint
+    checkpoint: tuple[Entry, ...]  # names from model.named_modules() (segments: tuples of names)
     predicted_peak_bytes: int  # memory model's peak for one iteration with this plan
     predicted_recompute_fraction: float  # extra step time, as a fraction of the step without checkpointing
     verified_peak_bytes: int | None = None  # measured by running the plan; None if not verified
@@ -87,7 +102,12 @@ def plan_to_yaml(plan: Plan) -> str:
     ckpt_comment = "names from model.named_modules(), wrapped with non-reentrant checkpoint"
     if plan.checkpoint:
         lines.append(_line("checkpoint", "", ckpt_comment))
-        lines += [f"  - {_scalar(name)}" for name in plan.checkpoint]
+        for entry in plan.checkpoint:
+            if isinstance(entry, str):
+                lines.append(f"  - {_scalar(entry)}")
+            else:
+                item = f"  - [{', '.join(_scalar(n) for n in entry)}]"
+                lines.append(f"{item.ljust(_COMMENT_COLUMN - 1)} # one segment: one checkpoint over these blocks")
     else:
         lines.append(_line("checkpoint", "[]", "nothing checkpointed"))
     lines.append(
@@ -242,16 +262,45 @@ def _from_mapping(data: dict, where: str) -> Plan:
             "e.g. 0.11 for 11%",
         )
 
-    names = data["checkpoint"]
-    if names is None:
-        names = []
-    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+    entries = _checkpoint_entries(data["checkpoint"], where)
+    return Plan(
+        target=target,
+        device=_choice(data, "device", where, DEVICES),
+        precision=_choice(data, "precision", where, PRECISIONS),
+        optimizer=_choice(data, "optimizer", where, OPTIMIZERS),
+        budget_bytes=_int(data, "budget_bytes", where, 1, nullable=True),
+        batch_size=_int(data, "batch_size", where, 1),
+        grad_accum_steps=_int(data, "grad_accum_steps", where, 1),
+        checkpoint=entries,
+        predicted_peak_bytes=_int(data, "predicted_peak_bytes", where, 0),
+        predicted_recompute_fraction=float(fraction),
+        verified_peak_bytes=_int(data, "verified_peak_bytes", where, 0, nullable=True)
+        if "verified_peak_bytes" in data
+        else None,
+        version=PLAN_VERSION,
+    )
+
+
+def _checkpoint_entries(value: Any, where: str) -> tuple[Entry, ...]:
+    """The `checkpoint` list: module names, and segments as lists of two or more names."""
+    if value is None:
+        return ()
+
+    def is_entry(e: Any) -> bool:
+        return isinstance(e, str) or (
+            isinstance(e, (list, tuple)) and len(e) >= 2 and all(isinstance(n, str) for n in e)
+        )
+
+    if not isinstance(value, (list, tuple)) or not all(is_entry(e) for e in value):
         raise _field_error(
             where,
             "checkpoint",
-            f"must be a list of module names (strings), got {names!r}",
-            "list names from model.named_modules(), one per line: `  - blocks.0`",
+            f"must be a list of module names (strings), got {value!r}",
+            "list names from model.named_modules(), one per line: `  - blocks.0`; "
+            "a segment (one checkpoint over consecutive blocks) is a list of two or more: `  - [blocks.2, blocks.3]`",
         )
+    entries = tuple(e if isinstance(e, str) else tuple(e) for e in value)
+    names = member_names(entries)
     if "" in names:
         raise _field_error(
             where,
@@ -262,23 +311,7 @@ def _from_mapping(data: dict, where: str) -> Plan:
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise _field_error(where, "checkpoint", f"lists {dupes[0]!r} more than once", "list each module once")
-
-    return Plan(
-        target=target,
-        device=_choice(data, "device", where, DEVICES),
-        precision=_choice(data, "precision", where, PRECISIONS),
-        optimizer=_choice(data, "optimizer", where, OPTIMIZERS),
-        budget_bytes=_int(data, "budget_bytes", where, 1, nullable=True),
-        batch_size=_int(data, "batch_size", where, 1),
-        grad_accum_steps=_int(data, "grad_accum_steps", where, 1),
-        checkpoint=tuple(names),
-        predicted_peak_bytes=_int(data, "predicted_peak_bytes", where, 0),
-        predicted_recompute_fraction=float(fraction),
-        verified_peak_bytes=_int(data, "verified_peak_bytes", where, 0, nullable=True)
-        if "verified_peak_bytes" in data
-        else None,
-        version=PLAN_VERSION,
-    )
+    return entries
 
 
 # The wrapper of the patch snippet: the same logic, names and guards as ckpt_tune/apply.py (tests run
@@ -323,6 +356,7 @@ def {plain_name}(model):
         if getattr(getattr(m, "config", None), "use_cache", None) is True:
             m.config.use_cache = False
     for name in CKPT_MODULES:
+{segment_branch}
         module = model.get_submodule(name)
         own = module.__dict__.get("forward")
         if getattr(own, "__name__", None) == "_ckpt_forward":
@@ -331,6 +365,12 @@ def {plain_name}(model):
             module._ckpt_inner_forward = own
         module.forward = types.MethodType(_ckpt_forward, module)
     return model
+"""
+
+_SNIPPET_SEGMENT_BRANCH = """        if not isinstance(name, str):  # a segment: these consecutive blocks under one checkpoint
+            if getattr(model.get_submodule(name[0]).__dict__.get("forward"), "__name__", None) != SEGMENT_FORWARD:
+                checkpoint_segment(model, list(name))
+            continue
 """
 
 # Hugging Face form: transformers' own per-layer switch (GradientCheckpointingLayer.gradient_checkpointing,
@@ -382,15 +422,34 @@ def patch_snippet(plan: Plan, *, hf: bool = False) -> str:
         f"# Recompute adds about {plan.predicted_recompute_fraction:.1%} to the step time.",
         "# Paste after building `model`, before creating the optimizer and before FSDP / torch.compile.",
     ]
-    # json.dumps writes a valid Python string literal for any name
+    segments = any(not isinstance(e, str) for e in plan.checkpoint)
+    hf = hf and not segments  # Hugging Face's per-layer switch cannot checkpoint several layers as one
+
+    def literal(e: Entry) -> str:  # json.dumps writes a valid Python string literal for any name
+        return json.dumps(e) if isinstance(e, str) else "(" + ", ".join(json.dumps(n) for n in e) + ")"
+
     names = (
         "["
-        + "".join(f"\n    {json.dumps(n)}," for n in plan.checkpoint)
+        + "".join(f"\n    {literal(e)}," for e in plan.checkpoint)
         + ("\n]" if plan.checkpoint else "]")
     )
     body = _SNIPPET_WRAPPER.replace("{names}", names).replace(
         "{plain_name}", "_apply_plain" if hf else "apply_checkpointing"
     )
+    body = body.replace("{segment_branch}\n", _SNIPPET_SEGMENT_BRANCH if segments else "")
+    if segments:
+        body = _segment_source() + body
     if hf:
         body += _SNIPPET_HF
     return "\n".join(header) + "\n" + body + "\n\nmodel = apply_checkpointing(model)\n"
+
+
+def _segment_source() -> str:
+    """ckpt_tune/segment.py as snippet code: its docstring as comments, no `from __future__`."""
+    from ckpt_tune import segment
+
+    text = inspect.getsource(segment)
+    doc = segment.__doc__ or ""
+    body = text.split('"""', 2)[2].replace("from __future__ import annotations\n", "")
+    comment = "\n".join(("# " + line).rstrip() for line in doc.strip().splitlines())
+    return "\n# Segments: consecutive blocks under one checkpoint (ckpt_tune/segment.py, verbatim).\n" + comment + "\n" + body

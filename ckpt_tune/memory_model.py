@@ -24,6 +24,13 @@ holds for sub-module checkpointing: the block still keeps its own input and outp
 normally, so its predecessor interacts with it as with option 0 (see `combine`). Verification by
 running the plan (search.py) guards that assumption.
 
+Segments (consecutive blocks i..j under one checkpoint, ckpt_tune/segment.py) are terms of their own:
+d, F, B of the whole run i..j for each option p of block i-1, keyed (i, j) in `Terms.segments`. The
+block after a segment sees it as a checkpointed predecessor (its pair terms with prev = 1): in both
+cases nothing of the predecessor's is stored. Until a run with that segment is recorded, its terms are
+estimated from the blocks' pair terms (`estimate_segments`); `segment_terms` takes them from a recorded
+run, which the search does for every plan it verifies.
+
 Everything here is pure: no device, no model.
 """
 
@@ -45,6 +52,30 @@ class BlockTerms:
 
 
 @dataclass(frozen=True)
+class SegmentTerms:
+    """d, F, B of a segment for each option p of the block before it (indexed by p); `measured` holds
+    the p whose terms come from a recorded run with this segment, not from `estimate_segments`."""
+
+    d: tuple[int, ...]
+    F: tuple[int, ...]
+    B: tuple[int, ...]
+    measured: frozenset[int] = frozenset()
+
+
+# In a choice, a segment i..j is coded -(j - i + 1) at i (its length) and SEGMENT_MEMBER after it.
+SEGMENT_MEMBER = -1
+
+
+def segments_of(choice: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(first, last) of every segment in a choice."""
+    return [(i, i - c - 1) for i, c in enumerate(choice) if c < SEGMENT_MEMBER]
+
+
+def with_segment(choice: tuple[int, ...], i: int, j: int) -> tuple[int, ...]:
+    return (*choice[:i], -(j - i + 1), *(SEGMENT_MEMBER,) * (j - i), *choice[j + 1 :])
+
+
+@dataclass(frozen=True)
 class Terms:
     batch_size: int
     units: tuple[str, ...]
@@ -54,14 +85,22 @@ class Terms:
     blocks: tuple[BlockTerms, ...]
     measured: dict[tuple[int, ...], int] = field(default_factory=dict, compare=False)  # config -> peak
     options: tuple[str, ...] = ("none", "block")  # option k >= 2 checkpoints sub-module options[k] of each block
+    segments: dict[tuple[int, int], SegmentTerms] = field(default_factory=dict, compare=False)
 
     @property
     def k(self) -> int:
         return len(self.options)
 
-    def names(self, choice: tuple[int, ...]) -> tuple[str, ...]:
-        """Module names to wrap for a choice: the block for option 1, `block.<sub>` for options 2.."""
-        return tuple(u if c == 1 else f"{u}.{self.options[c]}" for u, c in zip(self.units, choice) if c)
+    def names(self, choice: tuple[int, ...]) -> tuple[str | tuple[str, ...], ...]:
+        """Plan entries for a choice: the block for option 1, `block.<sub>` for options 2.., and a tuple
+        of the blocks' names for a segment."""
+        out: list[str | tuple[str, ...]] = []
+        for i, (u, c) in enumerate(zip(self.units, choice)):
+            if c < SEGMENT_MEMBER:
+                out.append(self.units[i : i - c])
+            elif c > 0:
+                out.append(u if c == 1 else f"{u}.{self.options[c]}")
+        return tuple(out)
 
     def interpolate(self, other: Terms, batch_size: int) -> Terms:
         """Terms at another batch size, linear through self and other (rounded up: never optimistic)."""
@@ -77,9 +116,14 @@ class Terms:
         blocks = tuple(
             BlockTerms(tup(p.d, q.d), tup(p.F, q.F), tup(p.B, q.B)) for p, q in zip(self.blocks, other.blocks, strict=False)
         )
+        segments = {
+            key: SegmentTerms(tup(seg.d, o.d), tup(seg.F, o.F), tup(seg.B, o.B))
+            for key, seg in self.segments.items()
+            if (o := other.segments.get(key)) is not None
+        }
         return Terms(
             batch_size, self.units, self.static, lin(self.base, other.base), lin(self.fixed, other.fixed), blocks,
-            options=self.options,
+            options=self.options, segments=segments,
         )
 
 
@@ -88,15 +132,72 @@ def pair_index(prev: int, own: int, k: int = 2) -> int:
 
 
 def predict(terms: Terms, choice: tuple[int, ...]) -> int:
-    """Predicted peak bytes of the iteration with block i taking option choice[i]."""
+    """Predicted peak bytes of the iteration with block i taking option choice[i] (segments coded as
+    `with_segment` does)."""
     top = terms.fixed - terms.base
-    prefix, prev = 0, 0
-    for i, blk in enumerate(terms.blocks):
-        k = pair_index(prev, choice[i], terms.k)
+    prefix, prev, i = 0, 0, 0
+    while i < len(terms.blocks):
+        c = choice[i]
+        if c < SEGMENT_MEMBER:
+            seg = terms.segments[(i, i - c - 1)]
+            top = max(top, prefix + seg.F[prev], prefix + seg.B[prev])
+            prefix += seg.d[prev]
+            prev, i = 1, i - c
+            continue
+        blk = terms.blocks[i]
+        k = pair_index(prev, c, terms.k)
         top = max(top, prefix + blk.F[k], prefix + blk.B[k])
         prefix += blk.d[k]
-        prev = choice[i]
+        prev, i = c, i + 1
     return terms.static + terms.base + top
+
+
+def estimate_segments(terms: Terms, keys) -> dict[tuple[int, int], SegmentTerms]:
+    """Terms of the segments `keys` ((first, last) pairs) estimated from the blocks' pair terms.
+
+    Forward: block i runs as when checkpointed alone; each later block as a checkpointed block after a
+    checkpointed one, except that the segment does not hold its input: what stays stored across block
+    k is d_k(1,1) - d_{k-1}(1,1) (its output replaces its input). Backward: the whole run is recomputed,
+    so while block k runs backward the blocks before it in the segment hold what they store when not
+    checkpointed, d(0,0), under block k's own checkpointed backward term B_k(1,1). A segment measured
+    by `segment_terms` replaces its estimate.
+    """
+    K, one = terms.k, pair_index(1, 1, terms.k)
+    none = pair_index(0, 0, K)
+    out = {}
+    for i, j in keys:
+        blocks = terms.blocks
+        ds, fs, bs = [], [], []
+        for p in range(K):
+            head = blocks[i]
+            live, top_f = head.d[pair_index(p, 1, K)], head.F[pair_index(p, 1, K)]
+            for k in range(i + 1, j + 1):
+                top_f = max(top_f, live + blocks[k].F[one])
+                live += blocks[k].d[one] - blocks[k - 1].d[one]
+            held, top_b = head.d[pair_index(p, 0, K)], head.B[pair_index(p, 1, K)]
+            for k in range(i + 1, j + 1):
+                top_b = max(top_b, held + blocks[k].B[one])
+                held += blocks[k].d[none]
+            ds.append(live)
+            fs.append(top_f)
+            bs.append(top_b)
+        out[(i, j)] = SegmentTerms(tuple(ds), tuple(fs), tuple(bs))
+    return out
+
+
+def segment_terms(cut: RunCut, i: int, j: int, prev: int, k: int, known: SegmentTerms | None) -> SegmentTerms:
+    """A segment's terms for predecessor option `prev`, read from a recorded run that had it (the
+    run's cut at its blocks' markers), on top of what is known for the other predecessor options."""
+    d, f, b = 0, cut.F[i], cut.B[i]
+    for m in range(i, j + 1):
+        f, b = max(f, d + cut.F[m]), max(b, d + cut.B[m])
+        d += cut.d[m]
+    base = known or SegmentTerms((d,) * k, (f,) * k, (b,) * k)
+
+    def put(xs: tuple[int, ...], x: int) -> tuple[int, ...]:
+        return (*xs[:prev], x, *xs[prev + 1 :])
+
+    return SegmentTerms(put(base.d, d), put(base.F, f), put(base.B, b), base.measured | {prev})
 
 
 def probe_configs(n: int, k: int = 2) -> dict[str, tuple[int, ...]]:

@@ -11,10 +11,9 @@ Pure: no device, no model.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
-from ckpt_tune.memory_model import Terms, pair_index, predict
+from ckpt_tune.memory_model import SEGMENT_MEMBER, Terms, pair_index, predict
 
 FRONT_CAP = 20000  # Pareto points kept per step before thinning (never reached by models of ≤ 200 blocks seen)
 
@@ -34,53 +33,87 @@ Costs = tuple[tuple[float, ...], ...]  # costs[i][option]: recompute time (ms) o
 
 def solve(terms: Terms, costs: Costs, budget: int) -> Solution | None:
     """Least-cost choice with predict(terms, choice) ≤ budget, or None when no choice fits."""
-    len(terms.blocks)
     room = budget - terms.static - terms.base
     if terms.fixed - terms.base > room:
         return None
-    # front[prev] = list of (prefix, cost, top, choice-so-far); top = largest constraint value so far.
-    fronts: dict[int, list[tuple[int, float, int, tuple[int, ...]]]] = {0: [(0, 0.0, terms.fixed - terms.base, ())]}
-    for i, blk in enumerate(terms.blocks):
-        nxt: dict[int, list] = {o: [] for o in range(terms.k)}
-        for prev, states in fronts.items():
-            for prefix, cost, top, ch in states:
-                for own in range(terms.k):
-                    k = pair_index(prev, own, terms.k)
-                    t = max(top, prefix + blk.F[k], prefix + blk.B[k])
-                    if t > room:
-                        continue
-                    nxt[own].append((prefix + blk.d[k], cost + costs[i][own], t, (*ch, own)))
-        fronts = {k: _pareto(v) for k, v in nxt.items() if v}
-        if not fronts:
-            return None
-    best = min((s for v in fronts.values() for s in v), key=lambda s: (s[1], s[2], sum(s[3])))
+    ends = _dp(terms, costs, room, _pareto)
+    if not ends:
+        return None
+    best = min(ends, key=lambda s: (s[1], s[2], _checkpointed(s[3])))
     return Solution(best[3], best[1], terms.static + terms.base + best[2])
 
 
 def min_peak(terms: Terms, costs: Costs) -> Solution:
     """The choice with the smallest predicted peak (ties: the cheapest)."""
-    fronts: dict[int, list[tuple[int, float, int, tuple[int, ...]]]] = {0: [(0, 0.0, terms.fixed - terms.base, ())]}
-    for i, blk in enumerate(terms.blocks):
-        nxt: dict[int, list] = {o: [] for o in range(terms.k)}
-        for prev, states in fronts.items():
-            for prefix, cost, top, ch in states:
-                for own in range(terms.k):
-                    k = pair_index(prev, own, terms.k)
-                    t = max(top, prefix + blk.F[k], prefix + blk.B[k])
-                    nxt[own].append((prefix + blk.d[k], cost + costs[i][own], t, (*ch, own)))
-        fronts = {k: _pareto_peak(v) for k, v in nxt.items()}
-    best = min((s for v in fronts.values() for s in v), key=lambda s: (s[2], s[1]))
+    ends = _dp(terms, costs, None, _pareto_peak)
+    best = min(ends, key=lambda s: (s[2], s[1]))
     return Solution(best[3], best[1], terms.static + terms.base + best[2])
 
 
+def _checkpointed(choice: tuple[int, ...]) -> int:
+    """Tie-break among equal-cost plans: fewer checkpointed blocks, then no segments."""
+    return sum(1 for c in choice if c) * 2 + sum(1 for c in choice if c < 0)
+
+
+def _dp(terms: Terms, costs: Costs, room: int | None, prune) -> list:
+    """Left to right over the blocks; a state is (prefix, cost, top, choice) per position and option of
+    the block before it. A block takes one of its options; a segment i..j jumps to j + 1 as a
+    checkpointed predecessor (memory_model.py)."""
+    n, K = len(terms.blocks), terms.k
+    starts: dict[int, list[tuple[int, int]]] = {}
+    for i, j in sorted(terms.segments):
+        starts.setdefault(i, []).append((i, j))
+    seg_cost = {
+        key: sum(costs[m][1] for m in range(key[0], key[1] + 1)) for key in terms.segments
+    }
+    # a state's choice is a linked list (codes, parent): copying tuples would make each step O(n)
+    pending: list[dict[int, list]] = [{} for _ in range(n + 1)]
+    pending[0][0] = [(0, 0, terms.fixed - terms.base, None)]
+    for i in range(n):
+        blk = terms.blocks[i]
+        for prev, raw in pending[i].items():
+            for prefix, cost, top, ch in prune(raw):
+                for own in range(K):
+                    k = pair_index(prev, own, K)
+                    t = max(top, prefix + blk.F[k], prefix + blk.B[k])
+                    if room is None or t <= room:
+                        pending[i + 1].setdefault(own, []).append((prefix + blk.d[k], cost + costs[i][own], t, ((own,), ch)))
+                for a, b in starts.get(i, ()):
+                    seg = terms.segments[(a, b)]
+                    t = max(top, prefix + seg.F[prev], prefix + seg.B[prev])
+                    if room is None or t <= room:
+                        code = (-(b - a + 1), *(SEGMENT_MEMBER,) * (b - a))
+                        pending[b + 1].setdefault(1, []).append((prefix + seg.d[prev], cost + seg_cost[(a, b)], t, (code, ch)))
+        pending[i] = {}
+    return [(*s[:3], _unlink(s[3])) for raw in pending[n].values() for s in prune(raw)]
+
+
+def _unlink(node) -> tuple[int, ...]:
+    parts = []
+    while node is not None:
+        parts.append(node[0])
+        node = node[1]
+    return tuple(c for part in reversed(parts) for c in part)
+
+
 def _pareto(states: list) -> list:
-    """Keep states not dominated in (prefix, cost, top): smaller is better in each."""
+    """Keep the states that can still lead to the cheapest plan (ties: the smallest peak).
+
+    What a state allows later depends on its prefix alone (every later constraint is prefix + a term
+    ≤ room, and `top` already fits), so a state is dropped when another has a prefix no larger and a
+    lower cost, or the same cost and a `top` no larger. One sweep in prefix order.
+    """
     states.sort(key=lambda s: (s[0], s[1], s[2]))
     kept: list = []
+    best_cost, best_top = None, None
     for s in states:
-        if any(k[1] <= s[1] and k[2] <= s[2] for k in kept):  # kept ones have prefix ≤ s's
+        if best_cost is not None and (best_cost < s[1] or (best_cost == s[1] and best_top <= s[2])):
             continue
         kept.append(s)
+        if best_cost is None or s[1] < best_cost:
+            best_cost, best_top = s[1], s[2]
+        else:
+            best_top = min(best_top, s[2])
     if len(kept) > FRONT_CAP:
         kept = kept[:: len(kept) // FRONT_CAP + 1]
     return kept
@@ -99,14 +132,37 @@ def _pareto_peak(states: list) -> list:
     return kept
 
 
+def all_choices(terms: Terms):
+    """Every choice: each block one of its options, or part of one of the segments in `terms`."""
+
+    def rest(i: int):
+        if i == len(terms.blocks):
+            yield ()
+            return
+        for own in range(terms.k):
+            for tail in rest(i + 1):
+                yield (own, *tail)
+        for a, b in terms.segments:
+            if a == i:
+                for tail in rest(b + 1):
+                    yield (-(b - a + 1), *(SEGMENT_MEMBER,) * (b - a), *tail)
+
+    yield from rest(0)
+
+
+def choice_cost(costs: Costs, choice: tuple[int, ...]) -> float:
+    """Recompute cost of a choice: a segment's blocks each cost what they cost checkpointed alone."""
+    return sum(c[1] if x < 0 else c[x] for c, x in zip(costs, choice, strict=True))
+
+
 def brute_force(terms: Terms, costs: Costs, budget: int) -> Solution | None:
-    """Reference solver: every choice. Only for small n (tests, benchmarks)."""
+    """Reference solver: every choice, segments included. Only for small n (tests, benchmarks)."""
     best: Solution | None = None
-    for choice in itertools.product(range(terms.k), repeat=len(terms.blocks)):
+    for choice in all_choices(terms):
         peak = predict(terms, choice)
         if peak > budget:
             continue
-        cost = sum(c[x] for c, x in zip(costs, choice, strict=True))
+        cost = choice_cost(costs, choice)
         if best is None or (cost, peak) < (best.cost, best.peak):
             best = Solution(choice, cost, peak)
     return best

@@ -11,6 +11,7 @@ from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.table import Table
 
+from ckpt_tune.emit import entry_label, member_names
 from ckpt_tune.profiler import StepProfile
 from ckpt_tune.units import format_bytes
 
@@ -122,9 +123,9 @@ def render_search(outcome, plan_yaml: str, patch: str, elapsed_s: float) -> None
     for col in ("strategy", "checkpointed", "peak", "recompute", "fits"):
         b.add_column(col, justify="left" if col in ("strategy", "checkpointed") else "right")
     for label, row in res.baselines.items():
-        b.add_row(label, f"{len(row.plan)}/{len(res.units)}", format_bytes(row.predicted_peak) + " (measured)",
+        b.add_row(label, _count(row.plan, res.units), format_bytes(row.predicted_peak) + " (measured)",
                   f"{100 * row.recompute_fraction:.1f}%", "yes" if row.fits else "no")
-    b.add_row("[bold]ckpt-tune plan[/bold]", f"{len(res.checkpoint)}/{len(res.units)}",
+    b.add_row("[bold]ckpt-tune plan[/bold]", _count(res.checkpoint, res.units),
               f"{format_bytes(res.predicted_peak)} predicted, {format_bytes(res.verified_peak)} verified",
               f"{100 * res.recompute_fraction:.1f}%", "[green]yes[/green]")
     err.print(b)
@@ -135,14 +136,24 @@ def render_search(outcome, plan_yaml: str, patch: str, elapsed_s: float) -> None
     err.print(f"searched in {elapsed_s:.1f} s ({res.probes} recorded steps)")
 
 
-def _plan_label(plan: tuple[str, ...], units: tuple[str, ...]) -> str:
+def _plan_label(plan: tuple, units: tuple[str, ...]) -> str:
     if not plan:
         return "(none)"
-    if len(plan) == len(units):
+    labels = [entry_label(e) for e in plan]
+    segs = sum(1 for e in plan if not isinstance(e, str))
+    if len(plan) == len(units) and not segs:
         return f"all {len(units)}"
     if len(plan) <= 4:
-        return ", ".join(plan)
-    return f"{len(plan)} of {len(units)}: {', '.join(plan[:3])}, …"
+        return ", ".join(labels)
+    blocks = len(member_names(plan))
+    what = f"{blocks} of {len(units)}" + (f" in {len(plan)} checkpoints" if segs else "")
+    return f"{what}: {', '.join(labels[:3])}, …"
+
+
+def _count(plan: tuple, units: tuple[str, ...]) -> str:
+    """`4/6`, or `6/6 (2 segments)` when blocks share checkpoints."""
+    segs = sum(1 for e in plan if not isinstance(e, str))
+    return f"{len(member_names(plan))}/{len(units)}" + (f" ({segs} segment{'s' if segs > 1 else ''})" if segs else "")
 
 
 def error(message: str, hint: str | None) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,6 +82,9 @@ class Measurement:
     grad_ptrs: list[int] = field(default_factory=list)
     module_io: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (input, output bytes)
     reserved_bytes: int | None = None  # CUDA: max_memory_reserved() of the iteration
+    # marked modules whose first tensor argument was the output of the marked module that ran before
+    # them: blocks called as a chain (`x = block(x, ...)`), which a segment can span
+    chained: frozenset[str] = frozenset()
 
     def rel(self, t: int) -> int:
         return self.timeline.live_at(t)
@@ -280,6 +284,7 @@ class StepRunner:
             grad_ptrs=inst.grad_ptrs,
             module_io=inst.module_io,
             reserved_bytes=reserved,
+            chained=frozenset(inst.chained),
         )
 
     def time_step(self, batch_size: int, checkpoint: Sequence[str] = (), repeats: int = 3) -> Timing:
@@ -388,6 +393,8 @@ class _Instrument:
         self.saved: dict[int, tuple[int, str | None]] = {}
         self.grad_ptrs: list[int] = []
         self.module_io: dict[str, tuple[int, int]] = {}
+        self.chained: set[str] = set()
+        self._last_out: Any = None  # weak reference to the first output tensor of the last marked module
         self._hooks_ctx = None
         self._param_ptrs = {fake.fake_storage_key(p) for p in model.parameters()}
 
@@ -415,6 +422,9 @@ class _Instrument:
     def _pre(self, name: str):
         def hook(mod, args, kwargs):
             mark(f"f>{name}")
+            first = next(iter_tensors((args, kwargs)), None)
+            if first is not None and self._last_out is not None and self._last_out() is first:
+                self.chained.add(name)
             self.stack.append(name)
             if self.attribute:
                 self.module_io[name] = (unique_bytes(iter_tensors((args, kwargs))), 0)
@@ -428,6 +438,8 @@ class _Instrument:
             mark(f"f<{name}")
             if self.attribute:
                 self.module_io[name] = (self.module_io[name][0], unique_bytes(iter_tensors(out)))
+            first = next(iter_tensors(out), None)
+            self._last_out = weakref.ref(first) if first is not None else None
             for t in iter_tensors(out):
                 if t.requires_grad and t.grad_fn is not None:
                     t.register_hook(lambda g, name=name: mark(f"b>{name}"))

@@ -14,13 +14,23 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
 from ckpt_tune.errors import NoFitError
-from ckpt_tune.memory_model import Terms, combine, cut_run, predict, probe_configs
+from ckpt_tune.memory_model import (
+    SegmentTerms,
+    Terms,
+    combine,
+    cut_run,
+    estimate_segments,
+    predict,
+    probe_configs,
+    segment_terms,
+    segments_of,
+)
 from ckpt_tune.planner import Solution, min_peak, solve
 from ckpt_tune.runner import StepRunner, unique_bytes
 from ckpt_tune.sharding import check_shard, peak_of, per_gpu_terms, shard_moment, static_per_gpu
@@ -30,6 +40,11 @@ MAX_BATCH = 1 << 16
 # A batch the fitted (linear) terms put this far over budget is taken as not fitting without probing it.
 # Terms are linear in batch size to within allocator granularity; 2% is far above what was observed.
 SKIP_MARGIN = 0.02
+# Longest run of consecutive blocks considered as one checkpoint segment. A segment holds all its
+# blocks' saved tensors in backward, so long ones lose to shorter ones wherever blocks are alike.
+MAX_SEGMENT = 8
+# Plans with estimated segment terms verified per batch before segments not yet measured are dropped.
+SEGMENT_TRIALS = 4
 
 
 def find_blocks(model: nn.Module) -> list[str]:
@@ -101,8 +116,12 @@ class Searcher:
         progress: Callable[[str], None] | None = None,
         world_size: int = 1,
         shard: str = "none",
+        segments: bool = False,
     ):
         self.runner = runner
+        self.use_segments = segments  # also consider runs of consecutive blocks under one checkpoint
+        self.segment_keys: tuple[tuple[int, int], ...] = ()
+        self._measured_segments: dict[int, dict[tuple[int, int], SegmentTerms]] = {}
         # sharded data parallelism: every byte figure is per GPU (sharding.py; DESIGN.md §6)
         self.world_size, self.shard = check_shard(world_size, shard)
         self.progress = progress or (lambda msg: None)
@@ -130,10 +149,19 @@ class Searcher:
             chain.append(u)
         self.units = tuple(chain)
         self.options = ("none", "block", *find_sub_options(self.runner.model, self.units))
+        if self.use_segments:
+            # a segment may span blocks called as a chain: each one's input is the previous one's output
+            linked = [u in m.chained for u in self.units]
+            self.segment_keys = tuple(
+                (i, j)
+                for i in range(len(self.units))
+                for j in range(i + 1, min(i + MAX_SEGMENT, len(self.units)))
+                if all(linked[i + 1 : j + 1])
+            )
 
-    def names(self, choice: tuple[int, ...]) -> list[str]:
-        o = self.options
-        return [u if c == 1 else f"{u}.{o[c]}" for u, c in zip(self.units, choice) if c]
+    def names(self, choice: tuple[int, ...]) -> list:
+        """Plan entries of a choice (see Terms.names)."""
+        return list(Terms(0, self.units, 0, 0, 0, (), options=self.options).names(choice))
 
     def costs(self, batch_size: int) -> tuple[tuple[float, ...], ...]:
         """Recompute cost of each block's options: the checkpointed module's forward time (ms) at this batch."""
@@ -186,11 +214,50 @@ class Searcher:
                 cuts.append(cut)
                 static = m.static_bytes
             t = combine(cuts, self.units, static, batch_size, self.options)
+            t = self._with_segments(t)
             if self.world_size > 1:
                 params, opt, _grads = self.runner.state_bytes()
                 t = per_gpu_terms(t, params, opt, self.world_size, self.shard, self.gathered_bytes())
             self._terms[batch_size] = t
         return self._terms[batch_size]
+
+    def _with_segments(self, t: Terms) -> Terms:
+        """The candidate segments' terms: measured where a verified plan had them, else estimated."""
+        if not self.segment_keys:
+            return t
+        segs = estimate_segments(t, self.segment_keys)
+        for key, seg in self._measured_segments.get(t.batch_size, {}).items():
+            segs[key] = SegmentTerms(
+                tuple(seg.d[p] if p in seg.measured else e for p, e in enumerate(segs[key].d)),
+                tuple(seg.F[p] if p in seg.measured else e for p, e in enumerate(segs[key].F)),
+                tuple(seg.B[p] if p in seg.measured else e for p, e in enumerate(segs[key].B)),
+                seg.measured,
+            )
+        return replace(t, segments=segs)
+
+    def _learn_segments(self, batch_size: int, choice: tuple[int, ...], measurement) -> None:
+        """Take the terms of the plan's segments from its recorded run (replacing their estimates)."""
+        segs = segments_of(choice)
+        if not segs:
+            return
+        tl = measurement.timeline
+        cut = cut_run(tl.live_at, tl.max_between, tl.markers, self.units, choice)
+        known = self._measured_segments.setdefault(batch_size, {})
+        for i, j in segs:
+            prev = self._prev_of(choice, i)
+            known[(i, j)] = segment_terms(cut, i, j, prev, len(self.options), known.get((i, j)))
+        old = self._terms[batch_size]
+        new = self._with_segments(old)
+        if self.world_size > 1:  # the sharding arithmetic touches static only: keep it
+            new = replace(new, static=old.static)
+        self._terms[batch_size] = new
+
+    def drop_estimated_segments(self, batch_size: int) -> None:
+        """Keep only segments whose terms were measured (for the predecessor options measured)."""
+        t = self.terms(batch_size)
+        self._terms[batch_size] = replace(
+            t, segments={k: v for k, v in t.segments.items() if v.measured}
+        )
 
     def gathered_bytes(self) -> int:
         """ZeRO-3/FSDP all-gather one block's full parameters at a time: the largest block's bytes."""
@@ -202,10 +269,15 @@ class Searcher:
             return self.terms(batch_size)
         return self.terms(b1).interpolate(self.terms(b2), batch_size)
 
-    def verify(self, batch_size: int, names: tuple[str, ...]) -> int:
-        self.progress(f"verifying batch {batch_size} with {len(names)} checkpointed blocks")
-        m = self.runner.measure(batch_size, checkpoint=list(names), attribute=self.world_size > 1)
+    def verify(self, batch_size: int, names: tuple, choice: tuple[int, ...] = ()) -> int:
+        n_seg = len(segments_of(choice))
+        self.progress(
+            f"verifying batch {batch_size} with {len(names)} checkpoints" + (f" ({n_seg} segments)" if n_seg else "")
+        )
+        m = self.runner.measure(batch_size, checkpoint=list(names), units=self.units, attribute=self.world_size > 1)
         self.runs += 1
+        if batch_size in self._terms:
+            self._learn_segments(batch_size, choice, m)
         if self.world_size == 1:
             return m.peak_bytes
         # a sharded step cannot run here: its recorded single-GPU moments, sharded by arithmetic
@@ -298,20 +370,36 @@ class Searcher:
         else:
             b = batch_size
         room, tightened = budget, 0
+        verified: dict[tuple[int, ...], int] = {}  # choice -> its measured peak, at batch b
+        trials = 0
         for _ in range(4 * 8):
             sol = solve(self.terms(b), self.costs(b), room)
             if sol is None or tightened >= 3:
                 if batch_size is None and b > 1:  # this batch does not fit after all: one smaller
-                    b, room, tightened = b - 1, budget, 0
+                    b, room, tightened, verified, trials = b - 1, budget, 0, {}, 0
                     continue
                 raise self._no_fit(budget, b)
-            names = sol.names(self.terms(b))
-            verified = self.verify(b, names)
-            if verified <= budget:
-                return self._result(b, sol, verified, budget)
-            room -= verified - budget  # the model was optimistic here: tighten and re-solve
+            if sol.choice not in verified:
+                segs = segments_of(sol.choice)
+                estimated = any(self._prev_of(sol.choice, i) not in self.terms(b).segments[(i, j)].measured for i, j in segs)
+                verified[sol.choice] = self.verify(b, tuple(sol.names(self.terms(b))), sol.choice)
+                if estimated:
+                    # the segments' terms are measured now: solve again on them before trusting the plan
+                    trials += 1
+                    if trials >= SEGMENT_TRIALS:
+                        self.drop_estimated_segments(b)
+                    continue
+            peak = verified[sol.choice]
+            if peak <= budget:
+                return self._result(b, sol, peak, budget)
+            room -= peak - budget  # the model was optimistic here: tighten and re-solve
             tightened += 1
         raise self._no_fit(budget, b)
+
+    @staticmethod
+    def _prev_of(choice: tuple[int, ...], i: int) -> int:
+        """The predecessor option block i sees: a segment before it counts as checkpointed."""
+        return 0 if i == 0 else (1 if choice[i - 1] < 0 else choice[i - 1])
 
     def _result(self, b: int, sol: Solution, verified: int, budget: int) -> SearchResult:
         costs, step = self.costs(b), self.step_ms(b)

@@ -9,6 +9,7 @@ buffers) plus the largest running sum of allocator events inside that iteration 
 from __future__ import annotations
 
 import gc
+import weakref
 
 import torch
 import torch.utils.checkpoint as cp
@@ -20,6 +21,9 @@ MARK = "harness::measured"
 def _wrap(model, names):
     """A plain non-reentrant checkpoint wrapper, independent of ckpt_tune.apply."""
     for name in names:
+        if not isinstance(name, str):
+            _wrap_segment(model, list(name))
+            continue
         mod = model.get_submodule(name)
         inner = mod.forward
 
@@ -27,6 +31,34 @@ def _wrap(model, names):
             return cp.checkpoint(_inner, *args, use_reentrant=False, **kwargs)
 
         mod.forward = fwd
+
+
+def _wrap_segment(model, names):
+    """Consecutive blocks under one checkpoint, with the public API only and independent of
+    ckpt_tune/segment.py: for chains `x = block(x, *rest, **kw)` whose blocks return one tensor and
+    take the same `rest` and `kw`. The first block runs the whole segment inside one
+    `torch.utils.checkpoint.checkpoint`; the blocks after it hand its result on unchanged."""
+    mods = [model.get_submodule(n) for n in names]
+    inners = [m.forward for m in mods]
+    state = {}
+
+    def run(x, *rest, **kw):
+        for f in inners:
+            x = f(x, *rest, **kw)
+        return x
+
+    def first(x, *rest, **kw):
+        out = cp.checkpoint(run, x, *rest, use_reentrant=False, **kw)
+        state["out"] = weakref.ref(out)  # a strong reference would keep it alive through backward
+        return out
+
+    def later(x, *rest, **kw):
+        assert x is state["out"](), "segment blocks must be called as a chain"
+        return x
+
+    mods[0].forward = first
+    for m in mods[1:]:
+        m.forward = later
 
 
 def measured_peak(

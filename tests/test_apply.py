@@ -17,7 +17,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from ckpt_tune.apply import applied_names, apply, remove
-from ckpt_tune.emit import Plan, patch_snippet, write_plan
+from ckpt_tune.emit import Plan, member_names, patch_snippet, write_plan
 from ckpt_tune.errors import PlanError
 
 # ---------------------------------------------------------------------------------------------------
@@ -179,6 +179,10 @@ CASES = [
     ("vit", ["blocks.1.attn", "blocks.1.mlp"]),
     ("gpt2", ["transformer.h.1"]),
     ("gpt2", BLOCK_NAMES["gpt2"]),
+    # segments: consecutive blocks under one checkpoint (ckpt_tune/segment.py)
+    ("resnet", [tuple(BLOCK_NAMES["resnet"])]),  # BatchNorm in every block, a shape change inside
+    ("vit", ["blocks.0", ("blocks.1", "blocks.2")]),  # dropout: the recompute must repeat its masks
+    ("gpt2", [tuple(BLOCK_NAMES["gpt2"])]),  # keyword arguments and tuple outputs between the blocks
 ]
 
 
@@ -191,7 +195,7 @@ def test_wrapped_step_equals_unwrapped_step(kind: str, names: list[str]) -> None
     model, batch = MAKERS[kind]()
     reference = copy.deepcopy(model)
     apply(model, names)
-    assert set(applied_names(model)) == set(names)
+    assert set(applied_names(model)) == set(member_names(names))
     for seed in (1, 2):  # two steps: running stats and the RNG carry over from one to the next
         assert_same_step(run_step(model, batch, seed), run_step(reference, batch, seed))
 
@@ -556,7 +560,7 @@ def test_patch_snippet_matches_apply(kind: str, names: list[str]) -> None:
     patched = exec_snippet(patch_snippet(snippet_plan(names)), model)
     assert patched is model
     assert applied_names(patched) == applied_names(applied)  # apply recognises the snippet's wrappers
-    counts = count_calls(patched, names)
+    counts = count_calls(patched, member_names(names))
     got = run_step(patched, batch)
     assert_same_step(got, run_step(applied, batch))
     assert_same_step(got, run_step(reference, batch))

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
-from ckpt_tune.memory_model import BlockTerms, Terms, predict
-from ckpt_tune.planner import brute_force, min_peak, solve
+from ckpt_tune.memory_model import BlockTerms, SegmentTerms, Terms, predict, segments_of, with_segment
+from ckpt_tune.planner import all_choices, brute_force, choice_cost, min_peak, solve
 
 
 def _random_terms(rng: random.Random, n: int, k: int = 2) -> Terms:
@@ -90,3 +91,54 @@ def test_large_chain_solves_quickly_enough_to_be_interactive():
     sol = solve(t, costs, budget)
     assert sol is not None
     assert predict(t, sol.choice) <= budget
+
+
+def _with_random_segments(rng: random.Random, t: Terms, max_len: int = 4) -> Terms:
+    """Segments i..j with plausible terms: little stored (one input), a backward holding the blocks'."""
+    n, segs = len(t.blocks), {}
+    for i in range(n):
+        for j in range(i + 1, min(n, i + max_len)):
+            if rng.random() < 0.7:
+                held = sum(t.blocks[m].d[0] for m in range(i, j + 1))
+                d = tuple(rng.randint(1, 20) for _ in range(t.k))
+                f = tuple(rng.randint(1, 60) for _ in range(t.k))
+                b = tuple(held + rng.randint(0, 80) for _ in range(t.k))
+                segs[(i, j)] = SegmentTerms(d, f, b)
+    return replace(t, segments=segs)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_dp_with_segments_equals_brute_force(seed):
+    rng = random.Random(100 + seed)
+    k = 2 if seed < 20 else 3
+    n = rng.randint(2, 8 if k == 2 else 5)
+    t = _with_random_segments(rng, _random_terms(rng, n, k))
+    costs = _costs(rng, n, k)
+    lo, hi = min_peak(t, costs).peak, predict(t, (0,) * n)
+    assert lo == min(predict(t, c) for c in all_choices(t))
+    for budget in (lo - 1, lo, (lo + hi) // 2, hi):
+        dp, bf = solve(t, costs, budget), brute_force(t, costs, budget)
+        if bf is None:
+            assert dp is None
+            continue
+        assert dp is not None
+        assert abs(dp.cost - bf.cost) < 1e-9
+        assert predict(t, dp.choice) == dp.peak <= budget
+        assert abs(choice_cost(costs, dp.choice) - dp.cost) < 1e-9
+
+
+def test_a_segment_is_chosen_when_only_it_fits():
+    """Two blocks whose stored inputs overflow the budget when checkpointed one by one; as one segment
+    they store one input: the only plan that fits, at the cost of checkpointing both."""
+    blk = BlockTerms(d=(50, 50, 50, 30), F=(5, 5, 5, 5), B=(60, 60, 60, 60))
+    t = Terms(1, ("b0", "b1"), 0, 0, 0, (blk, blk), segments={(0, 1): SegmentTerms((30, 30), (40, 40), (90, 90))})
+    costs = ((0.0, 1.0), (0.0, 2.0))
+    # every plan without the segment: block 0 stores 50 under block 1's backward term 60
+    assert {predict(t, c) for c in [(0, 0), (0, 1), (1, 0), (1, 1)]} == {50 + 60}
+    assert predict(t, with_segment((0, 0), 0, 1)) == 90
+    sol = solve(t, costs, 95)
+    assert sol is not None
+    assert segments_of(sol.choice) == [(0, 1)]
+    assert sol.choice == with_segment((0, 0), 0, 1)
+    assert sol.cost == 3.0
+    assert t.names(sol.choice) == (("b0", "b1"),)

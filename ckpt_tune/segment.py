@@ -1,0 +1,201 @@
+"""One non-reentrant checkpoint over a run of consecutive blocks (a segment), with torch alone.
+
+The parent module calls the blocks one after another (`for block in self.blocks: x = block(x, mask)`).
+The first block's call opens one checkpoint region and the last block's call closes it, so none of the
+tensors the blocks save is kept: only the first block's inputs are held, and in backward the whole run
+is recomputed at once. The recompute calls the blocks' own forwards again with the arguments they had,
+except that an argument that was an output of an earlier block of the run is replaced by its
+recomputed value, so no output in the middle of the run is held from forward to backward.
+
+Compared with checkpointing each block, a segment keeps one input instead of one per block and
+recomputes the same forwards, but its backward holds the saved tensors of all its blocks at once.
+
+Like `torch.utils.checkpoint.checkpoint(use_reentrant=False)` it preserves the RNG state (dropout
+masks repeat), and the recompute lets BatchNorm update throwaway copies of its running statistics
+(pytorch#96136), so a segment changes memory and time only. The region is opened and closed with the
+generator that `torch.utils.checkpoint` and `torch.distributed`'s composable `checkpoint` are built on.
+
+Everything between the blocks' calls runs inside the region. Code of the parent that saves tensors for
+backward between two blocks of a segment would not be recomputed: backward then stops with
+torch.utils.checkpoint's error instead of computing anything wrong.
+
+This file imports torch only: the patch snippet (ckpt_tune/emit.py) embeds it as it is.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+import weakref
+from contextlib import contextmanager
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+from torch.utils import _pytree as pytree
+
+SEGMENT_FORWARD = "_ckpt_segment_forward"  # the instance forward of a segment's block
+SEGMENT_ATTR = "_ckpt_segment"  # (Segment, position) on each block of a segment
+INNER_ATTR = "_ckpt_inner_forward"  # a forward the instance had before wrapping
+
+
+@contextmanager
+def throwaway_running_stats(module: nn.Module):
+    """Let every norm layer inside `module` update clones of its running statistics, then put the
+    real buffers back (the recompute must not update them a second time: pytorch#96136).
+
+    Clones, not `running_mean=None`: the recompute must run the same kernel with the same arguments,
+    so that it saves as many tensors as the first forward (non-reentrant checkpoint matches them by
+    position) and its outputs are bit-for-bit those of the first forward.
+    """
+    kept = [
+        (m, name, buf)
+        for m in module.modules()
+        if isinstance(m, nn.modules.batchnorm._NormBase)
+        for name, buf in m._buffers.items()
+        if buf is not None
+    ]
+    for m, name, buf in kept:
+        m._buffers[name] = buf.clone()
+    try:
+        yield
+    finally:
+        for m, name, buf in kept:
+            m._buffers[name] = buf
+
+
+def inner_forward(module: nn.Module):
+    """The module's forward without any wrapper of ours (and without its hooks)."""
+    inner = module.__dict__.get(INNER_ATTR)
+    return inner if inner is not None else types.MethodType(type(module).forward, module)
+
+
+def _open_region(replay, args: tuple):
+    """Start torch.utils.checkpoint's non-reentrant region; `replay(*args)` recomputes it in backward."""
+    gen = torch.utils.checkpoint._checkpoint_without_reentrant_generator
+    # its options (preserve_rng_state, context_fn, determinism_check, debug, early_stop in recent
+    # torch) precede *args: pass their defaults positionally, whichever torch this is
+    defaults = [
+        p.default
+        for p in list(inspect.signature(gen).parameters.values())[1:]
+        if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    ]
+    region = gen(replay, *defaults, *args)
+    next(region)
+    return region
+
+
+class _Out:
+    """Placeholder in a recorded call: leaf `leaf` of the output of the segment's block `block`."""
+
+    __slots__ = ("block", "leaf")
+
+    def __init__(self, block: int, leaf: int) -> None:
+        self.block, self.leaf = block, leaf
+
+
+class Segment:
+    """Consecutive blocks checkpointed as one region; `wrap` installs it on the blocks."""
+
+    def __init__(self, blocks: list[nn.Module], name: str = "segment") -> None:
+        if len(blocks) < 2:
+            raise ValueError("a segment needs two or more blocks")
+        self.blocks, self.name = list(blocks), name
+        self.region = None  # the open region, from the first block's call to the last one's return
+        self.calls: list = []  # this forward's recorded calls (block 0: its kwargs only)
+        self.outputs: dict[int, tuple] = {}  # id(tensor) -> (weakref, block, leaf) of this forward
+
+    def wrap(self) -> None:
+        for pos, block in enumerate(self.blocks):
+            own = block.__dict__.get("forward")
+            if own is not None:
+                setattr(block, INNER_ATTR, own)
+            setattr(block, SEGMENT_ATTR, (self, pos))
+            block.forward = types.MethodType(_ckpt_segment_forward, block)
+
+    def _replay(self, calls: list):
+        def replay(*first_args):
+            outs: list[list] = []
+            for pos, block in enumerate(self.blocks):
+                if pos == 0:
+                    args, kwargs = first_args, calls[0]
+                else:
+                    args, kwargs = pytree.tree_map(
+                        lambda x: outs[x.block][x.leaf] if isinstance(x, _Out) else x, calls[pos]
+                    )
+                with throwaway_running_stats(block):
+                    out = inner_forward(block)(*args, **kwargs)
+                outs.append(pytree.tree_flatten(out)[0])
+
+        return replay
+
+    def call(self, pos: int, args: tuple, kwargs: dict):
+        block = self.blocks[pos]
+        if pos == 0:
+            if self.region is not None:
+                self.close()
+                raise RuntimeError(f"checkpoint {self.name}: its first block ran again before its last block did")
+            self.calls, self.outputs = [kwargs], {}
+            self.region = _open_region(self._replay(self.calls), args)
+        else:
+            if self.region is None or len(self.calls) != pos:
+                self.close()
+                raise RuntimeError(
+                    f"checkpoint {self.name}: block {pos} of the segment ran out of order "
+                    "(its blocks must run one after another, first to last, once per forward)"
+                )
+            self.calls.append(pytree.tree_map(self._as_placeholder, (args, kwargs)))
+        try:
+            out = inner_forward(block)(*args, **kwargs)
+        except BaseException:
+            self.close()
+            raise
+        for leaf, t in enumerate(pytree.tree_flatten(out)[0]):
+            if isinstance(t, torch.Tensor):
+                self.outputs[id(t)] = (weakref.ref(t), pos, leaf)
+        if pos == len(self.blocks) - 1:
+            self.close(finished=True)
+        return out
+
+    def _as_placeholder(self, x):
+        if isinstance(x, torch.Tensor):
+            hit = self.outputs.get(id(x))
+            if hit is not None and hit[0]() is x:
+                return _Out(hit[1], hit[2])
+        return x
+
+    def close(self, finished: bool = False) -> None:
+        region, self.region, self.outputs = self.region, None, {}
+        if region is None:
+            return
+        if finished:
+            try:
+                next(region)
+            except StopIteration:
+                return
+            raise RuntimeError(f"checkpoint {self.name}: the region did not close")
+        region.close()
+
+
+def _ckpt_segment_forward(self: nn.Module, *args, **kwargs):
+    """The instance forward of a block in a segment (bound with MethodType)."""
+    segment, pos = self.__dict__[SEGMENT_ATTR]
+    if not (self.training and torch.is_grad_enabled()):
+        return inner_forward(self)(*args, **kwargs)
+    return segment.call(pos, args, kwargs)
+
+
+def checkpoint_segment(model: nn.Module, names: list[str]) -> Segment:
+    """Checkpoint the consecutive blocks `names` of `model` as one segment, in place."""
+    segment = Segment([model.get_submodule(n) for n in names], f"segment {names[0]}..{names[-1]}")
+    segment.wrap()
+    return segment
+
+
+def unwrap_segment_block(block: nn.Module) -> None:
+    """Undo `Segment.wrap` on one block."""
+    block.__dict__.pop(SEGMENT_ATTR, None)
+    inner = block.__dict__.pop(INNER_ATTR, None)
+    block.__dict__.pop("forward", None)
+    if inner is not None:
+        block.forward = inner

@@ -1,0 +1,247 @@
+"""Segments: consecutive blocks under one checkpoint (ckpt_tune/segment.py), from `apply` to `search`.
+
+Ground truth is tests/harness.py, whose segment wrapper is written independently with the public
+torch.utils.checkpoint API; equality of losses, gradients, BatchNorm statistics and the random stream
+against the unwrapped model is tested with the other plans in tests/test_apply.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from ckpt_tune.apply import applied_names, apply, remove
+from ckpt_tune.errors import PlanError
+from ckpt_tune.memory_model import predict, with_segment
+from ckpt_tune.planner import all_choices
+from ckpt_tune.runner import StepRunner
+from ckpt_tune.search import Searcher
+from tests.fixtures.models import ZOO, ResidualChain, _chain_batch, _mse_loss
+from tests.harness import measured_peak
+
+CHAIN = ZOO["residual_chain"]
+SEG = ("blocks.2", "blocks.3", "blocks.4")
+
+
+def step(model: nn.Module, batch, seed: int = 1):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = CHAIN.loss_fn(model, batch)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def same(a, b) -> bool:
+    return torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
+
+
+# -- the wrapper ---------------------------------------------------------------------------------------
+
+
+def test_segment_recomputes_its_blocks_once_each_and_runs_their_hooks_once():
+    model, batch = CHAIN.build(), CHAIN.make_batch(4)
+    reference = copy.deepcopy(model)
+    apply(model, [SEG])
+    assert applied_names(model) == SEG
+    calls = dict.fromkeys(SEG, 0)
+    hooks = dict.fromkeys(SEG, 0)
+    for name in SEG:
+        block = model.get_submodule(name)
+        block.fc1.register_forward_pre_hook(lambda m, a, n=name: calls.__setitem__(n, calls[n] + 1))
+        block.register_forward_pre_hook(lambda m, a, n=name: hooks.__setitem__(n, hooks[n] + 1))
+    assert same(step(model, batch), step(reference, batch))
+    assert calls == dict.fromkeys(SEG, 2)  # forward, then the one recompute in backward
+    assert hooks == dict.fromkeys(SEG, 1)  # the blocks' own hooks stay outside the checkpoint
+
+
+def test_eval_and_no_grad_run_plain_and_remove_restores():
+    model, batch = CHAIN.build(), CHAIN.make_batch(4)
+    reference = copy.deepcopy(model)
+    apply(model, [SEG])
+    model.eval()
+    reference.eval()
+    with torch.no_grad():
+        assert torch.equal(model(batch[0]), reference(batch[0]))
+    remove(model)
+    assert applied_names(model) == ()
+    assert all("forward" not in model.get_submodule(n).__dict__ for n in SEG)
+    assert same(step(model, batch), step(reference, batch))
+
+
+def test_blocks_out_of_order_raise_and_leave_no_region_open():
+    class Skips(ResidualChain):
+        def forward(self, x):
+            for i in (0, 1, 2, 4, 3, 5, 6, 7, 8, 9):  # block 4 before block 3
+                x = self.blocks[i](x)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model, batch = Skips(), CHAIN.make_batch(4)
+    apply(model, [SEG])
+    with pytest.raises(RuntimeError, match="ran out of order"):
+        step(model, batch)
+    remove(model)
+    # no saved-tensor hooks were left behind: a plain step still matches a fresh copy
+    assert same(step(model, batch), step(copy.deepcopy(model), batch))
+
+
+def test_a_block_that_raises_closes_the_region():
+    model, batch = CHAIN.build(), CHAIN.make_batch(4)
+    apply(model, [SEG])
+    with pytest.raises(RuntimeError, match=r"size mismatch|shapes cannot be multiplied"):
+        model(torch.randn(4, 3))
+    reference = copy.deepcopy(model)
+    remove(reference)
+    assert same(step(model, batch), step(reference, batch))
+
+
+def test_apply_refuses_bad_segments():
+    model = CHAIN.build()
+    with pytest.raises(PlanError, match="segment of 1 block"):
+        apply(model, [("blocks.0",)])
+    with pytest.raises(PlanError, match="more than once"):
+        apply(model, [("blocks.0", "blocks.1"), "blocks.1"])
+    with pytest.raises(PlanError, match="no module named"):
+        apply(model, [("blocks.0", "blocks.99")])
+    apply(model, ["blocks.3"])
+    with pytest.raises(PlanError, match="already checkpointed"):
+        apply(model, [SEG])
+    remove(model)
+    apply(model, [SEG])
+    apply(model, [SEG])  # idempotent
+    assert applied_names(model) == SEG
+
+
+# -- memory ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        [SEG],
+        [("blocks.0", "blocks.1"), ("blocks.2", "blocks.3"), "blocks.5", ("blocks.6", "blocks.7", "blocks.8", "blocks.9")],
+        [tuple(f"blocks.{i}" for i in range(10))],
+    ],
+)
+def test_runner_measures_what_the_independent_harness_measures(plan):
+    with StepRunner(CHAIN.build(), CHAIN.make_batch, CHAIN.loss_fn) as runner:
+        got = runner.measure(256, checkpoint=plan).peak_bytes
+    assert got == measured_peak(CHAIN.build, CHAIN.make_batch, CHAIN.loss_fn, 256, checkpoint=plan)
+
+
+def test_segments_store_less_than_one_checkpoint_per_block():
+    every = [f"blocks.{i}" for i in range(10)]
+    pairs = [(f"blocks.{i}", f"blocks.{i + 1}") for i in range(0, 10, 2)]
+    b = 512
+    assert measured_peak(CHAIN.build, CHAIN.make_batch, CHAIN.loss_fn, b, checkpoint=pairs) < measured_peak(
+        CHAIN.build, CHAIN.make_batch, CHAIN.loss_fn, b, checkpoint=every
+    )
+
+
+@pytest.mark.parametrize("name", ["residual_chain", "mlp_blocks", "vit_dropout"])
+def test_estimated_segment_terms_are_close_and_measured_ones_exact(name):
+    fx = ZOO[name]
+    b = 64
+    with StepRunner(fx.build(), fx.make_batch, fx.loss_fn) as runner:
+        s = Searcher(runner, segments=True)
+        s.order_units(2)
+        assert s.segment_keys, "blocks called as a chain can be segments"
+        terms = s.terms(b)
+        n = len(s.units)
+        rng = random.Random(0)
+        choices = []
+        for _ in range(4):
+            i = rng.randrange(n - 1)
+            j = rng.randrange(i + 1, min(n, i + 4))
+            choices.append(with_segment(tuple(rng.choice((0, 1)) for _ in range(n)), i, j))
+        for choice in choices:
+            names = s.names(choice)
+            truth = measured_peak(fx.build, fx.make_batch, fx.loss_fn, b, checkpoint=names)
+            estimate = predict(s.terms(b), choice)
+            assert abs(estimate - truth) <= 0.02 * truth, (names, estimate, truth)
+            s.verify(b, tuple(names), choice)  # records the plan: its segments' terms are measured now
+            assert predict(s.terms(b), choice) == truth, names
+    assert terms.segments  # estimates existed before any plan was verified
+
+
+def test_chain_detection_keeps_segments_off_blocks_with_code_between_them():
+    class Normed(ResidualChain):
+        def __init__(self):
+            super().__init__(depth=4)
+            self.norm = nn.LayerNorm(64)
+
+        def forward(self, x):
+            x = self.blocks[1](self.blocks[0](x))
+            x = self.norm(x)  # saves tensors between blocks 1 and 2: no segment may span it
+            return self.head(self.blocks[3](self.blocks[2](x)))
+
+    torch.manual_seed(0)
+    with StepRunner(Normed(), _chain_batch, _mse_loss) as runner:
+        s = Searcher(runner, segments=True)
+        s.order_units(2)
+    assert s.segment_keys == ((0, 1), (2, 3))
+
+
+# -- search ------------------------------------------------------------------------------------------
+
+
+def _small_chain(depth: int):
+    def build():
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return ResidualChain(depth=depth)
+
+    return build
+
+
+def test_search_uses_segments_to_reach_a_larger_batch_and_the_plan_fits():
+    every = [f"blocks.{i}" for i in range(10)]
+    b0 = 1024
+    budget = measured_peak(CHAIN.build, CHAIN.make_batch, CHAIN.loss_fn, b0, checkpoint=every)
+    with StepRunner(CHAIN.build(), CHAIN.make_batch, CHAIN.loss_fn) as runner:
+        res = Searcher(runner, segments=True).search(budget)
+    assert res.batch_size > b0  # every block reaches b0 exactly; segments reach further
+    assert any(not isinstance(e, str) for e in res.checkpoint)
+    truth = measured_peak(CHAIN.build, CHAIN.make_batch, CHAIN.loss_fn, res.batch_size, checkpoint=list(res.checkpoint))
+    assert truth <= budget
+    assert res.verified_peak == truth
+    assert abs(res.predicted_peak - truth) <= 0.03 * truth
+
+
+def test_found_batch_is_the_largest_any_plan_reaches_by_brute_force():
+    """A 4-block chain: 34 plans (each block stored or checkpointed, or in one of 6 segments). The
+    found batch fits; at the next batch none of the 34 fits, measured by the independent harness."""
+    build = _small_chain(4)
+    budget = measured_peak(build, CHAIN.make_batch, CHAIN.loss_fn, 700, checkpoint=[f"blocks.{i}" for i in range(4)])
+    with StepRunner(build(), CHAIN.make_batch, CHAIN.loss_fn) as runner:
+        s = Searcher(runner, segments=True)
+        res = s.search(budget)
+        terms = s.terms(res.batch_size)
+    choices = list(all_choices(terms))
+    assert len(choices) == 34
+    assert measured_peak(build, CHAIN.make_batch, CHAIN.loss_fn, res.batch_size, checkpoint=list(res.checkpoint)) <= budget
+    for choice in choices:
+        names = list(terms.names(choice))
+        assert measured_peak(build, CHAIN.make_batch, CHAIN.loss_fn, res.batch_size + 1, checkpoint=names) > budget, names
+
+
+def test_plan_cost_is_the_optimum_over_all_plans_at_the_batch():
+    build = _small_chain(4)
+    b = 600
+    every = [f"blocks.{i}" for i in range(4)]
+    budget = measured_peak(build, CHAIN.make_batch, CHAIN.loss_fn, b, checkpoint=every)
+    with StepRunner(build(), CHAIN.make_batch, CHAIN.loss_fn) as runner:
+        s = Searcher(runner, segments=True)
+        res = s.search(budget, batch_size=b)
+        costs, terms = s.costs(b), s.terms(b)
+    fitting = []
+    for choice in all_choices(terms):
+        names = list(terms.names(choice))
+        if measured_peak(build, CHAIN.make_batch, CHAIN.loss_fn, b, checkpoint=names) <= budget:
+            fitting.append(sum(c[1] if x < 0 else c[x] for c, x in zip(costs, choice, strict=True)))
+    assert abs(res.recompute_fraction * res.step_ms - min(fitting)) <= 1e-3 * res.step_ms
