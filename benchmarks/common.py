@@ -71,9 +71,17 @@ EXAMPLES = ("gpt", "resnet", "unet", "hf_gpt2")
 
 
 # -- checkpoint wrappers (independent of ckpt_tune.apply) ------------------------------------------
-def wrap_blocks(model: nn.Module, names: Sequence[str]) -> None:
-    """Wrap each named module with plain non-reentrant checkpoint (one unit per module)."""
+def wrap_blocks(model: nn.Module, names: Sequence) -> None:
+    """Wrap each named module with plain non-reentrant checkpoint (one unit per module); an entry that
+    is a tuple of names (a plan's segment) runs those blocks as one checkpointed `_Segment`."""
     for name in names:
+        if not isinstance(name, str):
+            mods = [model.get_submodule(n) for n in name]
+            seg = _Segment(mods, checkpointed=True)
+            mods[0].forward = seg.__call__
+            for m in mods[1:]:
+                m.forward = seg.passthrough
+            continue
         mod = model.get_submodule(name)
         inner = mod.forward
 
@@ -340,7 +348,7 @@ def tool_searcher(spec: str, device: str = "cpu"):
         StepSettings(device=device),
     )
     runner.__enter__()
-    return Searcher(runner)
+    return Searcher(runner, segments=True)
 
 
 def block_sizes(ex: Example, units: Sequence[str], batch_size: int) -> tuple[list[int], list[int]]:

@@ -42,7 +42,10 @@ MAX_BATCH = 1 << 16
 SKIP_MARGIN = 0.02
 # Longest run of consecutive blocks considered as one checkpoint segment. A segment holds all its
 # blocks' saved tensors in backward, so long ones lose to shorter ones wherever blocks are alike.
+# Chains of more than SEGMENT_WORK // MAX_SEGMENT blocks get shorter segments, to keep the planner's
+# work (blocks × segment lengths) interactive.
 MAX_SEGMENT = 8
+SEGMENT_WORK = 640
 # Plans with estimated segment terms verified per batch before segments not yet measured are dropped.
 SEGMENT_TRIALS = 4
 
@@ -152,11 +155,10 @@ class Searcher:
         if self.use_segments:
             # a segment may span blocks called as a chain: each one's input is the previous one's output
             linked = [u in m.chained for u in self.units]
+            n = len(self.units)
+            longest = max(2, min(MAX_SEGMENT, SEGMENT_WORK // max(n, 1)))
             self.segment_keys = tuple(
-                (i, j)
-                for i in range(len(self.units))
-                for j in range(i + 1, min(i + MAX_SEGMENT, len(self.units)))
-                if all(linked[i + 1 : j + 1])
+                (i, j) for i in range(n) for j in range(i + 1, min(i + longest, n)) if all(linked[i + 1 : j + 1])
             )
 
     def names(self, choice: tuple[int, ...]) -> list:
