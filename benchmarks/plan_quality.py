@@ -85,8 +85,10 @@ class PlanSpec:
         return "{" + ",".join(_short(n, units) for n in self.names) + "}"
 
 
-def _short(name: str, units: tuple[str, ...]) -> str:
-    """Block index, or index.sub-module for a finer option (e.g. `3.attn`)."""
+def _short(name, units: tuple[str, ...]) -> str:
+    """Block index, index.sub-module for a finer option (e.g. `3.attn`), [first-last] for a segment."""
+    if not isinstance(name, str):
+        return f"[{units.index(name[0])}-{units.index(name[-1])}]"
     if name in units:
         return str(units.index(name))
     owner = max((u for u in units if name.startswith(u + ".")), key=len)

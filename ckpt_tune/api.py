@@ -133,15 +133,18 @@ def search(
     progress: Callable[[str], None] | None = None,
     world_size: int = 1,
     shard: str = "none",
+    segments: bool = True,
 ) -> SearchOutcome:
-    """Largest batch (or the given one) that fits `vram`, with the cheapest verified checkpoint plan."""
+    """Largest batch (or the given one) that fits `vram`, with the cheapest verified checkpoint plan.
+
+    `segments`: also consider runs of consecutive blocks under one checkpoint (ckpt_tune/segment.py)."""
     t = load(target, settings)
     device = resolve_device(settings.device)
     # --device meta sizes a CUDA step: hold back the CUDA context and margin as on a GPU
     budget = parse_budget(vram, "cuda" if device == "meta" else device, margin)
     _model, runner, step = _runner(t, settings)
     with _user_errors("searching"), runner:
-        searcher = Searcher(runner, progress=progress, world_size=world_size, shard=shard, segments=True)
+        searcher = Searcher(runner, progress=progress, world_size=world_size, shard=shard, segments=segments)
         fixed = batch_size
         if target_batch is not None and batch_size is None:
             fixed = None

@@ -125,6 +125,7 @@ def search(
     attn: Attn = "sdpa",
     world_size: Annotated[int, typer.Option("--world-size", min=1, help="GPUs of a sharded data-parallel run: plan per GPU")] = 1,
     shard: Annotated[str, typer.Option("--shard", help="none | zero1 | zero2 | zero3 | fsdp: what is divided by --world-size")] = "none",
+    segments: Annotated[bool, typer.Option("--segments/--no-segments", help="also plan runs of consecutive blocks under one checkpoint (--no-segments: one checkpoint per module, e.g. for FSDP wrapped per block)")] = True,
     out: Annotated[Path | None, typer.Option("--out", help="write the plan YAML here")] = None,
     patch: Annotated[Path | None, typer.Option("--patch", help="write the patch snippet here")] = None,
     as_json: Json = False,
@@ -137,7 +138,7 @@ def search(
     t0 = time.perf_counter()
     with report.progress("searching") as update:
         outcome = api.search(target, vram, batch_size=batch_size, target_batch=target_batch, margin=margin,
-                             settings=settings, progress=update, world_size=world_size, shard=shard)
+                             settings=settings, progress=update, world_size=world_size, shard=shard, segments=segments)
     elapsed = time.perf_counter() - t0
     plan_yaml = plan_to_yaml(outcome.plan)
     snippet = patch_snippet(outcome.plan, hf=outcome.is_hf)
