@@ -394,7 +394,7 @@ class _Instrument:
         self.grad_ptrs: list[int] = []
         self.module_io: dict[str, tuple[int, int]] = {}
         self.chained: set[str] = set()
-        self._last_out: Any = None  # weak reference to the first output tensor of the last marked module
+        self._last_out: Any = None  # (weak reference, version) of the last marked module's first output
         self._hooks_ctx = None
         self._param_ptrs = {fake.fake_storage_key(p) for p in model.parameters()}
 
@@ -423,7 +423,8 @@ class _Instrument:
         def hook(mod, args, kwargs):
             mark(f"f>{name}")
             first = next(iter_tensors((args, kwargs)), None)
-            if first is not None and self._last_out is not None and self._last_out() is first:
+            # the previous block's output, untouched since (an in-place op keeps the object, not the version)
+            if first is not None and self._last_out is not None and self._last_out[0]() is first and first._version == self._last_out[1]:
                 self.chained.add(name)
             self.stack.append(name)
             if self.attribute:
@@ -439,7 +440,7 @@ class _Instrument:
             if self.attribute:
                 self.module_io[name] = (self.module_io[name][0], unique_bytes(iter_tensors(out)))
             first = next(iter_tensors(out), None)
-            self._last_out = weakref.ref(first) if first is not None else None
+            self._last_out = (weakref.ref(first), first._version) if first is not None else None
             for t in iter_tensors(out):
                 if t.requires_grad and t.grad_fn is not None:
                     t.register_hook(lambda g, name=name: mark(f"b>{name}"))

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from ckpt_tune.errors import NoFitError
+from ckpt_tune.errors import NoFitError, UserCodeError
 from ckpt_tune.memory_model import (
     SegmentTerms,
     Terms,
@@ -33,6 +33,7 @@ from ckpt_tune.memory_model import (
 )
 from ckpt_tune.planner import Solution, min_peak, solve
 from ckpt_tune.runner import StepRunner, unique_bytes
+from ckpt_tune.segment import available as segment_available
 from ckpt_tune.sharding import check_shard, peak_of, per_gpu_terms, shard_moment, static_per_gpu
 from ckpt_tune.units import format_bytes
 
@@ -122,7 +123,8 @@ class Searcher:
         segments: bool = False,
     ):
         self.runner = runner
-        self.use_segments = segments  # also consider runs of consecutive blocks under one checkpoint
+        # also consider runs of consecutive blocks under one checkpoint (segment.py), where torch can
+        self.use_segments = segments and segment_available()
         self.segment_keys: tuple[tuple[int, int], ...] = ()
         self._measured_segments: dict[int, dict[tuple[int, int], SegmentTerms]] = {}
         # sharded data parallelism: every byte figure is per GPU (sharding.py; DESIGN.md §6)
@@ -384,7 +386,13 @@ class Searcher:
             if sol.choice not in verified:
                 segs = segments_of(sol.choice)
                 estimated = any(self._prev_of(sol.choice, i) not in self.terms(b).segments[(i, j)].measured for i, j in segs)
-                verified[sol.choice] = self.verify(b, tuple(sol.names(self.terms(b))), sol.choice)
+                try:
+                    verified[sol.choice] = self.verify(b, tuple(sol.names(self.terms(b))), sol.choice)
+                except UserCodeError as e:
+                    if not segs or "CheckpointError" not in str(e):
+                        raise
+                    self._forbid_segments(segs, str(e))  # the model runs code between these blocks
+                    continue
                 if estimated:
                     # the segments' terms are measured now: solve again on them before trusting the plan
                     trials += 1
@@ -397,6 +405,20 @@ class Searcher:
             room -= peak - budget  # the model was optimistic here: tighten and re-solve
             tightened += 1
         raise self._no_fit(budget, b)
+
+    def _forbid_segments(self, segs: list[tuple[int, int]], why: str) -> None:
+        """Drop segments whose recompute did not repeat the forward (code between their blocks saved
+        tensors for backward): every segment spanning the same blocks' links goes."""
+        links = {k for i, j in segs for k in range(i + 1, j + 1)}
+        self.segment_keys = tuple(key for key in self.segment_keys if not links & set(range(key[0] + 1, key[1] + 1)))
+        keep = set(self.segment_keys)
+        for b, t in self._terms.items():
+            self._terms[b] = replace(t, segments={k: v for k, v in t.segments.items() if k in keep})
+        for known in self._measured_segments.values():
+            for k in [k for k in known if k not in keep]:
+                del known[k]
+        names = ", ".join(f"{self.units[i]}..{self.units[j]}" for i, j in segs)
+        self.notes.append(f"segments {names} dropped: their recompute did not repeat the forward ({why.splitlines()[0][:120]})")
 
     @staticmethod
     def _prev_of(choice: tuple[int, ...], i: int) -> int:

@@ -70,6 +70,11 @@ def inner_forward(module: nn.Module):
     return inner if inner is not None else types.MethodType(type(module).forward, module)
 
 
+def available() -> bool:
+    """Whether this torch has the non-reentrant checkpoint generator segments are built on."""
+    return callable(getattr(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator", None))
+
+
 def _open_region(replay, args: tuple):
     """Start torch.utils.checkpoint's non-reentrant region; `replay(*args)` recomputes it in backward."""
     gen = torch.utils.checkpoint._checkpoint_without_reentrant_generator

@@ -245,3 +245,75 @@ def test_plan_cost_is_the_optimum_over_all_plans_at_the_batch():
         if measured_peak(build, CHAIN.make_batch, CHAIN.loss_fn, b, checkpoint=names) <= budget:
             fitting.append(sum(c[1] if x < 0 else c[x] for c, x in zip(costs, choice, strict=True)))
     assert abs(res.recompute_fraction * res.step_ms - min(fitting)) <= 1e-3 * res.step_ms
+
+
+def test_cli_no_segments_plans_one_checkpoint_per_module(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from tests.fixtures.models import write_target_file
+
+    target = write_target_file(tmp_path, "residual_chain")
+    every = [f"blocks.{i}" for i in range(10)]
+    budget = measured_peak(CHAIN.build, CHAIN.make_batch, CHAIN.loss_fn, 512, checkpoint=every)
+    plans = {}
+    for flag in ("--segments", "--no-segments"):
+        p = subprocess.run(
+            [sys.executable, "-m", "ckpt_tune", "search", target, "--device", "cpu", "--vram", str(budget), flag, "--json"],
+            capture_output=True, text=True, timeout=600,
+        )
+        assert p.returncode == 0, p.stderr
+        plans[flag] = json.loads(p.stdout)["plan"]
+    assert all(isinstance(e, str) for e in plans["--no-segments"]["checkpoint"])
+    assert plans["--no-segments"]["batch_size"] >= 512  # every block fits 512 exactly
+    assert any(isinstance(e, list) for e in plans["--segments"]["checkpoint"])
+    assert plans["--segments"]["batch_size"] > plans["--no-segments"]["batch_size"]
+
+
+def test_an_in_place_op_between_blocks_breaks_the_chain():
+    class InPlace(ResidualChain):
+        def __init__(self):
+            super().__init__(depth=3)
+
+        def forward(self, x):
+            x = self.blocks[0](x)
+            x = torch.relu_(x)  # same tensor object, but an op (that saves its output) ran in between
+            return self.head(self.blocks[2](self.blocks[1](x)))
+
+    torch.manual_seed(0)
+    with StepRunner(InPlace(), _chain_batch, _mse_loss) as runner:
+        s = Searcher(runner, segments=True)
+        s.order_units(2)
+    assert s.segment_keys == ((1, 2),)
+
+
+def test_search_drops_segments_whose_recompute_cannot_repeat_the_forward():
+    class SavesBetween(ResidualChain):
+        """Between every two blocks the parent computes a term of the loss from the hidden state: the
+        blocks still form a chain, but those saved tensors are inside a segment's region."""
+
+        def __init__(self):
+            super().__init__(depth=6)
+            self.scale = nn.Parameter(torch.ones(64))
+
+        def forward(self, x):
+            aux = 0
+            for block in self.blocks:
+                x = block(x)
+                aux = aux + (self.scale * x).mean()
+            return self.head(x) + aux
+
+    def build():
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return SavesBetween()
+
+    every = [f"blocks.{i}" for i in range(6)]
+    budget = measured_peak(build, CHAIN.make_batch, CHAIN.loss_fn, 700, checkpoint=every)
+    with StepRunner(build(), CHAIN.make_batch, CHAIN.loss_fn) as runner:
+        s = Searcher(runner, segments=True)
+        res = s.search(budget)
+    assert all(isinstance(e, str) for e in res.checkpoint)
+    assert any("dropped" in n for n in res.notes)
+    assert measured_peak(build, CHAIN.make_batch, CHAIN.loss_fn, res.batch_size, checkpoint=list(res.checkpoint)) <= budget
