@@ -119,7 +119,7 @@ def run_budget(ex, vram: str, blocks: tuple[str, ...], repeats: int) -> dict:
     # its own recorded steps peak at, against the budget it was given?
     base = outcome.result.baselines.get("no checkpointing")
     probe_peak = base.predicted_peak if base else None
-    print(f"{vram}: ckpt-tune: batch {plan.batch_size}, {len(plan.checkpoint)}/{len(blocks)} blocks, {tool_s:.1f} s, "
+    print(f"{vram}: ckpt-tune: batch {plan.batch_size}, {_checkpointed(plan.checkpoint, len(blocks))} blocks, {tool_s:.1f} s, "
           f"{outcome.result.probes} recorded steps; harness peak {mib(tool_peak)} MiB of {mib(budget)}", flush=True)
     configs = {"ckpt-tune search": (plan.batch_size, tuple(plan.checkpoint))}
     for ck_label, ck in (("every block", blocks), ("no checkpointing", ())):
@@ -149,6 +149,13 @@ def run_budget(ex, vram: str, blocks: tuple[str, ...], repeats: int) -> dict:
     return {"vram": vram, "budget_bytes": budget, "rows": rows, "ckpt_tune_no_checkpointing_probe_bytes": probe_peak}
 
 
+def _checkpointed(entries, n: int) -> str:
+    """`4/6`, or `6/6 in 2 segments` when a plan checkpoints runs of blocks as one."""
+    segs = sum(1 for e in entries if not isinstance(e, str))
+    count = sum(1 if isinstance(e, str) else len(e) for e in entries)
+    return f"{count}/{n}" + (f" in {segs} segment{'s' if segs > 1 else ''}" if segs else "")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt")
@@ -175,7 +182,7 @@ def main() -> None:
             md_table(
                 ["finder", "batch found", "blocks checkpointed", "measured peak MiB", "fits", "steps run", "wall time",
                  "time / ckpt-tune's", "samples/s at the result"],
-                [[r["finder"], r["batch"], f"{len(r['checkpointed'])}/{len(blocks)}", mib(r["measured_bytes"]),
+                [[r["finder"], r["batch"], _checkpointed(r["checkpointed"], len(blocks)), mib(r["measured_bytes"]),
                   "yes" if r["fits"] else "NO", r["steps"], f"{r['wall_s']:.1f} s", f"{r['time_ratio_vs_ckpt_tune']:.2f}",
                   f"{r['samples_per_s']:.1f}"] for r in rows],
             ),

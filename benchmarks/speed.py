@@ -86,7 +86,8 @@ def run_case(cmd: str, name: str, args: list[str], as_limit: int = 0, threads: i
             out = {}
         if cmd == "search" and "plan" in out:
             row["batch_size"] = out["plan"]["batch_size"]
-            row["checkpointed"] = len(out["plan"]["checkpoint"])
+            row["checkpointed"] = sum(1 if isinstance(e, str) else len(e) for e in out["plan"]["checkpoint"])
+            row["segments"] = sum(1 for e in out["plan"]["checkpoint"] if not isinstance(e, str))
             row["recorded_steps"] = out.get("recorded_steps")
         if cmd == "profile":
             row["peak_bytes"] = out.get("peak_bytes")
@@ -143,7 +144,8 @@ def main() -> None:
         if r["rc"] != 0:
             return f"fails (exit {r['rc']}): {r.get('error', '')}"
         if r["command"] == "search":
-            return f"batch {r.get('batch_size')}, {r.get('checkpointed')} checkpointed, {r.get('recorded_steps')} recorded steps"
+            segs = f" in {r['segments']} segments" if r.get("segments") else ""
+            return f"batch {r.get('batch_size')}, {r.get('checkpointed')} blocks checkpointed{segs}, {r.get('recorded_steps')} recorded steps"
         return f"peak {r['peak_bytes'] / (1 << 20):.1f} MiB" if r.get("peak_bytes") else ""
 
     table = md_table(

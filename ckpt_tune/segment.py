@@ -170,7 +170,8 @@ class Segment:
         return x
 
     def close(self, finished: bool = False) -> None:
-        region, self.region, self.outputs = self.region, None, {}
+        # the recorded calls now belong to the region's replay alone (freed with the autograd graph)
+        region, self.region, self.outputs, self.calls = self.region, None, {}, []
         if region is None:
             return
         if finished:

@@ -317,3 +317,37 @@ def test_search_drops_segments_whose_recompute_cannot_repeat_the_forward():
     assert all(isinstance(e, str) for e in res.checkpoint)
     assert any("dropped" in n for n in res.notes)
     assert measured_peak(build, CHAIN.make_batch, CHAIN.loss_fn, res.batch_size, checkpoint=list(res.checkpoint)) <= budget
+
+
+def test_a_segment_holds_no_tensor_between_steps():
+    """What the recompute needs (the blocks' other arguments) is freed with the autograd graph, not kept
+    on the model until the next step, where it would add to that step's peak."""
+    import gc
+    import weakref
+
+    from ckpt_tune.segment import SEGMENT_ATTR
+
+    class ScaledLinear(nn.Linear):
+        def forward(self, x, scale):
+            return super().forward(x) * scale
+
+    class WithScale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(ScaledLinear(8, 8) for _ in range(3))
+
+        def forward(self, x):
+            scale = torch.full((8,), 0.5, requires_grad=True)
+            self.last_scale = weakref.ref(scale)
+            for block in self.blocks:
+                x = block(x, scale=scale)  # an argument from outside the segment: held for the recompute
+            return x.sum()
+
+    model = WithScale()
+    apply(model, [("blocks.0", "blocks.1", "blocks.2")])
+    model(torch.randn(4, 8)).backward()
+    gc.collect()
+    segment = model.blocks[0].__dict__[SEGMENT_ATTR][0]
+    assert segment.calls == []
+    assert segment.outputs == {}
+    assert model.last_scale() is None
