@@ -144,7 +144,7 @@ def main() -> None:
         if r["rc"] != 0:
             return f"fails (exit {r['rc']}): {r.get('error', '')}"
         if r["command"] == "search":
-            segs = f" in {r['segments']} segments" if r.get("segments") else ""
+            segs = f" in {r['segments']} segment{'s' if r['segments'] > 1 else ''}" if r.get("segments") else ""
             return f"batch {r.get('batch_size')}, {r.get('checkpointed')} blocks checkpointed{segs}, {r.get('recorded_steps')} recorded steps"
         return f"peak {r['peak_bytes'] / (1 << 20):.1f} MiB" if r.get("peak_bytes") else ""
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
+from ckpt_tune.emit import member_names
 from ckpt_tune.errors import NoFitError, UserCodeError
 from ckpt_tune.memory_model import (
     SegmentTerms,
@@ -470,7 +471,10 @@ class Searcher:
             params, grads, opt = per.params + per.gathered, per.grads, per.optimizer
         states = params + grads + opt
         n = sum(p.numel() for p in self.runner.model.parameters() if p.requires_grad) or 1
-        where = f"the smallest peak reachable at batch {b} is {format_bytes(mp.peak)} (checkpointing {len(mp.names(t))} of {len(self.units)} blocks)"
+        where = (
+            f"the smallest peak reachable at batch {b} is {format_bytes(mp.peak)} "
+            f"(checkpointing {len(member_names(mp.names(t)))} of {len(self.units)} blocks)"
+        )
         if states > budget:
             return NoFitError(
                 f"nothing fits {format_bytes(budget)}: weights + gradients + optimizer state alone are "
