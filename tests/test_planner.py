@@ -39,9 +39,14 @@ def test_dp_equals_brute_force(seed):
     rng = random.Random(seed)
     k = 2 if seed < 25 else 4  # whole blocks only, then with two finer options per block
     n = rng.randint(1, 10 if k == 2 else 6)
-    t = _random_terms(rng, n, k)
-    costs = _costs(rng, n, k)
-    lo, hi = min_peak(t, costs).peak, predict(t, (0,) * n)
+    _assert_dp_equals_brute_force(_random_terms(rng, n, k), _costs(rng, n, k))
+
+
+def _assert_dp_equals_brute_force(t: Terms, costs) -> None:
+    """At four budgets from below the smallest peak to the no-checkpointing peak: the DP's plan costs
+    what the brute force's does, and its reported peak is its predicted one, within the budget."""
+    lo, hi = min_peak(t, costs).peak, predict(t, (0,) * len(t.blocks))
+    assert lo == min(predict(t, c) for c in all_choices(t))
     for budget in (lo - 1, lo, (lo + hi) // 2, hi):
         dp, bf = solve(t, costs, budget), brute_force(t, costs, budget)
         if bf is None:
@@ -50,6 +55,7 @@ def test_dp_equals_brute_force(seed):
         assert dp is not None
         assert abs(dp.cost - bf.cost) < 1e-9
         assert predict(t, dp.choice) == dp.peak <= budget
+        assert abs(choice_cost(costs, dp.choice) - dp.cost) < 1e-9
 
 
 def test_min_peak_is_the_smallest_over_all_choices():
@@ -112,19 +118,7 @@ def test_dp_with_segments_equals_brute_force(seed):
     rng = random.Random(100 + seed)
     k = 2 if seed < 20 else 3
     n = rng.randint(2, 8 if k == 2 else 5)
-    t = _with_random_segments(rng, _random_terms(rng, n, k))
-    costs = _costs(rng, n, k)
-    lo, hi = min_peak(t, costs).peak, predict(t, (0,) * n)
-    assert lo == min(predict(t, c) for c in all_choices(t))
-    for budget in (lo - 1, lo, (lo + hi) // 2, hi):
-        dp, bf = solve(t, costs, budget), brute_force(t, costs, budget)
-        if bf is None:
-            assert dp is None
-            continue
-        assert dp is not None
-        assert abs(dp.cost - bf.cost) < 1e-9
-        assert predict(t, dp.choice) == dp.peak <= budget
-        assert abs(choice_cost(costs, dp.choice) - dp.cost) < 1e-9
+    _assert_dp_equals_brute_force(_with_random_segments(rng, _random_terms(rng, n, k)), _costs(rng, n, k))
 
 
 def test_a_segment_is_chosen_when_only_it_fits():
