@@ -19,7 +19,7 @@ from torch import nn
 from ckpt_tune import loader
 from ckpt_tune.device import Budget, parse_budget, resolve_device
 from ckpt_tune.emit import Plan
-from ckpt_tune.errors import CkptTuneError, UserCodeError
+from ckpt_tune.errors import CkptTuneError, NoFitError, UserCodeError
 from ckpt_tune.profiler import StepProfile, profile_model
 from ckpt_tune.runner import StepRunner, StepSettings
 from ckpt_tune.search import Searcher, SearchResult, find_blocks
@@ -182,11 +182,20 @@ def _fit_target_batch(searcher: Searcher, res: SearchResult, want: int, budget: 
         res = searcher.search(budget, batch_size=want)
         res.notes.append(f"effective batch {want} fits as one micro-batch")
         return res
+    # from the second micro-batch on every gradient is live: the micro-batch that fits alone may not
     steps = -(-want // res.batch_size)
-    while want % steps:
-        steps += 1
-    micro = want // steps
-    out = searcher.search(budget, batch_size=micro) if micro != res.batch_size else res
+    while True:
+        while want % steps:
+            steps += 1
+        micro = want // steps
+        searcher.accum_steps = steps
+        try:
+            out = searcher.search(budget, batch_size=micro)
+            break
+        except NoFitError:
+            if micro == 1:
+                raise
+            steps += 1
     out.grad_accum_steps = steps
     out.notes.append(f"effective batch {want} = micro-batch {micro} × {steps} accumulation steps")
     return out

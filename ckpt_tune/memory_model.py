@@ -226,12 +226,18 @@ class RunCut:
     peak_above_static: int
 
 
-def cut_run(live_at, max_between, markers: dict[str, list[int]], units: tuple[str, ...], choice) -> RunCut:
-    """Cut one run's live curve at the blocks' markers. `live_at(t)`, `max_between(t0, t1)` read the curve."""
+def cut_run(live_at, max_between, markers: dict[str, list[int]], units: tuple[str, ...], choice, pick: int = 0) -> RunCut:
+    """Cut one run's live curve at the blocks' markers. `live_at(t)`, `max_between(t0, t1)` read the curve.
+
+    `pick`: which micro-batch of an accumulated iteration to cut at (-1: the last). The cut starts at
+    that micro-batch: an earlier one holds the same tensors but fewer gradients, so it never peaks
+    higher (verification measures the whole iteration anyway)."""
     n = len(units)
-    t_f = [markers["f>" + u][0] for u in units]
-    t_b = [markers["b>" + u][0] for u in units]
-    t_iter, t_bwd_end, t_end = markers["iter"][0], markers["backward"][0], markers["step"][0]
+    t_f = [markers["f>" + u][pick] for u in units]
+    t_b = [markers["b>" + u][pick] for u in units]
+    t_iter, t_bwd_end, t_end = markers["iter"][0], markers["backward"][pick], markers["step"][0]
+    if pick != 0 and markers.get("micro"):
+        t_iter = markers["micro"][pick]
     base = live_at(t_f[0])
     d, F, B = [], [], []
     for i in range(n):

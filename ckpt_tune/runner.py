@@ -176,26 +176,34 @@ class StepRunner:
         for p in self.model.parameters():
             p.grad = None
 
-    def iteration(self, batch_size: int) -> None:
-        """One training iteration, with phase markers (harmless when nothing records)."""
+    def iteration(self, batch_size: int, accum_steps: int = 1) -> None:
+        """One training iteration, with phase markers (harmless when nothing records). With
+        `accum_steps` > 1: that many micro-batches (loss / steps, gradients summed by autograd) before
+        the one optimizer step; from the second on, every gradient is live through forward and backward."""
         torch.manual_seed(SEED)  # same dropout masks every time: memory is deterministic
         self._zero_grad()
         mark("iter")
-        batch = self.batch_fn(batch_size)
-        if self.settings.precision == "bf16":
-            batch = _cast_floating(batch, torch.bfloat16)
-        mark("batch")
-        with self._autocast():
-            loss = self.loss_fn(self.model, batch)
-        mark("loss")
-        try:
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
-        except RuntimeError as e:
-            raise UserCodeError(
-                f"backward failed: {type(e).__name__}: {str(e).splitlines()[0]}",
-                "check that the loss depends on the model's trainable parameters",
-            ) from e
-        mark("backward")
+        for micro in range(accum_steps):
+            if micro:
+                mark("micro")
+            batch = loss = None  # the previous micro-batch's are freed before the next is made
+            batch = self.batch_fn(batch_size)
+            if self.settings.precision == "bf16":
+                batch = _cast_floating(batch, torch.bfloat16)
+            mark("batch")
+            with self._autocast():
+                loss = self.loss_fn(self.model, batch)
+                if accum_steps > 1:
+                    loss = loss / accum_steps
+            mark("loss")
+            try:
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+            except RuntimeError as e:
+                raise UserCodeError(
+                    f"backward failed: {type(e).__name__}: {str(e).splitlines()[0]}",
+                    "check that the loss depends on the model's trainable parameters",
+                ) from e
+            mark("backward")
         if self.optimizer is not None:
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)
@@ -228,12 +236,14 @@ class StepRunner:
         checkpoint: Sequence[str] = (),
         units: Sequence[str] = (),
         attribute: bool = False,
+        accum_steps: int = 1,
     ) -> Measurement:
         """Record one steady-state iteration.
 
         `checkpoint`: module names wrapped with non-reentrant checkpoint for this run. `units`: modules
-        whose forward start/end and backward start are marked ("f>name", "f<name", "b>name").
-        `attribute`: also attribute saved tensors to modules and mark every module.
+        whose forward start/end and backward start are marked ("f>name", "f<name", "b>name"; the first
+        micro-batch's come first). `attribute`: also attribute saved tensors to modules and mark every
+        module. `accum_steps`: micro-batches per optimizer step (see `iteration`).
         """
         self.warm_up(batch_size)
         param_b, opt_b, grads_before = self.state_bytes()
@@ -251,7 +261,7 @@ class StepRunner:
                 torch.cuda.reset_peak_memory_stats()
             recorder = fake.FakeRecorder(self.settings.fake_target) if self.fake else Recorder(self.device.type)
             with self._ctx(), recorder as rec:
-                self.iteration(batch_size)
+                self.iteration(batch_size, accum_steps)
             if cuda:
                 torch.cuda.synchronize()
                 cuda_peak, cuda_reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
