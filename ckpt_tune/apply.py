@@ -30,7 +30,6 @@ from ckpt_tune.segment import (
     Segment,
     inner_forward,
     throwaway_running_stats,
-    unwrap_segment_block,
 )
 
 log = logging.getLogger(__name__)
@@ -214,7 +213,7 @@ def apply(model: nn.Module, plan_or_path: Plan | str | Path | dict | Sequence[En
                 f"cannot checkpoint {entry[0]}..{entry[-1]} as one segment: {wrapped[0]} is already checkpointed",
                 hint="call ckpt_tune.remove(model) first, or apply one plan only",
             )
-        Segment(blocks, f"segment {entry[0]}..{entry[-1]}").wrap()
+        Segment(blocks, f"segment {entry[0]}..{entry[-1]}").wrap(root=model)
     return model
 
 
@@ -233,8 +232,7 @@ def remove(model: nn.Module) -> None:
         if not _is_wrapped(module):
             continue
         if SEGMENT_ATTR in module.__dict__:
-            module.__dict__[SEGMENT_ATTR][0].close()
-            unwrap_segment_block(module)
+            module.__dict__[SEGMENT_ATTR][0].unwrap()  # all its blocks, and its hook on the model
             continue
         inner = module.__dict__.pop(_INNER_ATTR, None)
         del module.__dict__["forward"]

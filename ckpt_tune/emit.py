@@ -10,6 +10,7 @@ import difflib
 import inspect
 import json
 import math
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,12 @@ def _scalar(value: Any) -> str:
     return text.removesuffix("\n").removesuffix("\n...").strip()
 
 
+def _flow_scalar(name: str) -> str:
+    """A name inside a YAML flow list: plain when it reads back as itself, else double-quoted."""
+    plain = re.fullmatch(r"[A-Za-z_][\w.\-]*", name) is not None and yaml.safe_load(name) == name
+    return name if plain else json.dumps(name)
+
+
 def _line(key: str, value: str, comment: str | None = None) -> str:
     line = f"{key}: {value}" if value else f"{key}:"
     return f"{line.ljust(_COMMENT_COLUMN - 1)} # {comment}" if comment else line
@@ -106,7 +113,7 @@ def plan_to_yaml(plan: Plan) -> str:
             if isinstance(entry, str):
                 lines.append(f"  - {_scalar(entry)}")
             else:
-                item = f"  - [{', '.join(_scalar(n) for n in entry)}]"
+                item = f"  - [{', '.join(_flow_scalar(n) for n in entry)}]"
                 lines.append(f"{item.ljust(_COMMENT_COLUMN - 1)} # one segment: one checkpoint over these blocks")
     else:
         lines.append(_line("checkpoint", "[]", "nothing checkpointed"))

@@ -127,7 +127,10 @@ class Searcher:
         # also consider runs of consecutive blocks under one checkpoint (segment.py), where torch can
         self.use_segments = segments and segment_available()
         self.segment_keys: tuple[tuple[int, int], ...] = ()
-        self._measured_segments: dict[int, dict[tuple[int, int], SegmentTerms]] = {}
+        self.accum_steps = 1  # micro-batches per optimizer step of the iteration searched
+        # caches per kind of iteration: 1 = one batch, 2 = a later micro-batch of an accumulated step
+        self._terms_by_kind: dict[int, dict[int, Terms]] = {1: {}, 2: {}}
+        self._segments_by_kind: dict[int, dict[int, dict[tuple[int, int], SegmentTerms]]] = {1: {}, 2: {}}
         # sharded data parallelism: every byte figure is per GPU (sharding.py; DESIGN.md §6)
         self.world_size, self.shard = check_shard(world_size, shard)
         self.progress = progress or (lambda msg: None)
@@ -135,7 +138,6 @@ class Searcher:
         self.options: tuple[str, ...] = ("none", "block")
         self.b1, self.b2 = 1, 4  # the two small batch sizes every search probes
         self.notes: list[str] = []
-        self._terms: dict[int, Terms] = {}
         self.runs = 0
         self._costs: dict[int, tuple[tuple[tuple[float, ...], ...], float]] = {}
 
@@ -193,7 +195,25 @@ class Searcher:
             self._costs[batch_size] = (costs, scale * t.step_ms)
         return self._costs[batch_size]
 
+    @property
+    def _kind(self) -> int:
+        return 1 if self.accum_steps == 1 else 2
+
+    @property
+    def _terms(self) -> dict[int, Terms]:
+        return self._terms_by_kind[self._kind]
+
+    @property
+    def _measured_segments(self) -> dict[int, dict[tuple[int, int], SegmentTerms]]:
+        return self._segments_by_kind[self._kind]
+
     def terms(self, batch_size: int) -> Terms:
+        return self._probe_terms(batch_size)
+
+    def _probe_terms(self, batch_size: int) -> Terms:
+        """Terms of the iteration searched, probed at this batch (cached). With gradient accumulation
+        the probes run two micro-batches and are cut at the second, where every gradient is live (as
+        in every later micro-batch); the first is part of the iteration's fixed term."""
         if batch_size not in self._terms:
             self.progress(f"probing batch {batch_size} ({len(probe_configs(len(self.units), len(self.options)))} recorded steps)")
             cuts = []
@@ -201,7 +221,7 @@ class Searcher:
             for choice in probe_configs(len(self.units), len(self.options)).values():
                 names = self.names(choice)
                 try:
-                    m = self.runner.measure(batch_size, checkpoint=names, units=self.units)
+                    m = self.runner.measure(batch_size, checkpoint=names, units=self.units, accum_steps=self._kind)
                 except torch.OutOfMemoryError:
                     # on a real GPU the no-checkpointing probe at a large batch can exceed the device:
                     # fall back to the line through the two small batches (verification still runs)
@@ -211,11 +231,11 @@ class Searcher:
                 if m is None:  # outside the except clause, so the failed step's tensors are gone
                     torch.cuda.empty_cache()
                     self.notes.append(f"batch {batch_size}: a probe ran out of device memory; terms fitted from batches {self.b1} and {self.b2}")
-                    self._terms[batch_size] = self.terms(self.b1).interpolate(self.terms(self.b2), batch_size)
+                    self._terms[batch_size] = self._probe_terms(self.b1).interpolate(self._probe_terms(self.b2), batch_size)
                     return self._terms[batch_size]
                 self.runs += 1
                 tl = m.timeline
-                cut = cut_run(tl.live_at, tl.max_between, tl.markers, self.units, choice)
+                cut = cut_run(tl.live_at, tl.max_between, tl.markers, self.units, choice, pick=-1)
                 cuts.append(cut)
                 static = m.static_bytes
             t = combine(cuts, self.units, static, batch_size, self.options)
@@ -246,23 +266,23 @@ class Searcher:
         if not segs:
             return
         tl = measurement.timeline
-        cut = cut_run(tl.live_at, tl.max_between, tl.markers, self.units, choice)
+        cut = cut_run(tl.live_at, tl.max_between, tl.markers, self.units, choice, pick=-1)
         known = self._measured_segments.setdefault(batch_size, {})
         for i, j in segs:
             prev = self._prev_of(choice, i)
             known[(i, j)] = segment_terms(cut, i, j, prev, len(self.options), known.get((i, j)))
         old = self._terms[batch_size]
         new = self._with_segments(old)
+        # segments dropped from these terms (drop_estimated_segments, _forbid_segments) stay dropped
+        new = replace(new, segments={k: v for k, v in new.segments.items() if k in old.segments})
         if self.world_size > 1:  # the sharding arithmetic touches static only: keep it
             new = replace(new, static=old.static)
         self._terms[batch_size] = new
 
     def drop_estimated_segments(self, batch_size: int) -> None:
         """Keep only segments whose terms were measured (for the predecessor options measured)."""
-        t = self.terms(batch_size)
-        self._terms[batch_size] = replace(
-            t, segments={k: v for k, v in t.segments.items() if v.measured}
-        )
+        t = self._probe_terms(batch_size)
+        self._terms[batch_size] = replace(t, segments={k: v for k, v in t.segments.items() if v.measured})
 
     def gathered_bytes(self) -> int:
         """ZeRO-3/FSDP all-gather one block's full parameters at a time: the largest block's bytes."""
@@ -279,7 +299,9 @@ class Searcher:
         self.progress(
             f"verifying batch {batch_size} with {len(names)} checkpoints" + (f" ({n_seg} segments)" if n_seg else "")
         )
-        m = self.runner.measure(batch_size, checkpoint=list(names), units=self.units, attribute=self.world_size > 1)
+        m = self.runner.measure(
+            batch_size, checkpoint=list(names), units=self.units, attribute=self.world_size > 1, accum_steps=self.accum_steps
+        )
         self.runs += 1
         if batch_size in self._terms:
             self._learn_segments(batch_size, choice, m)

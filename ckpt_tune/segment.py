@@ -108,15 +108,33 @@ class Segment:
         self.blocks, self.name = list(blocks), name
         self.region = None  # the open region, from the first block's call to the last one's return
         self.calls: list = []  # this forward's recorded calls (block 0: its kwargs only)
-        self.outputs: dict[int, tuple] = {}  # id(tensor) -> (weakref, block, leaf) of this forward
+        self.outputs: dict[int, tuple] = {}  # id(tensor) -> (weakref, block, leaf, version) of this forward
+        self.hook = None
+        self.rng_after = None  # random state when the last block returned, until the next one starts
 
-    def wrap(self) -> None:
+    def wrap(self, root: nn.Module | None = None) -> None:
+        """Wrap the blocks. With `root` (the model), a region its forward left open (code between the
+        blocks raised, or returned before the last block) is closed when that forward ends."""
         for pos, block in enumerate(self.blocks):
             own = block.__dict__.get("forward")
             if own is not None:
                 setattr(block, INNER_ATTR, own)
             setattr(block, SEGMENT_ATTR, (self, pos))
             block.forward = types.MethodType(_ckpt_segment_forward, block)
+        if root is not None:
+            self.hook = root.register_forward_hook(self._after_forward, always_call=True)
+
+    def unwrap(self) -> None:
+        self.close()
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
+        for block in self.blocks:
+            unwrap_segment_block(block)
+
+    def _after_forward(self, module, args, output) -> None:
+        if self.region is not None:
+            self.close()
 
     def _replay(self, calls: list):
         def replay(*first_args):
@@ -125,9 +143,12 @@ class Segment:
                 if pos == 0:
                     args, kwargs = first_args, calls[0]
                 else:
-                    args, kwargs = pytree.tree_map(
-                        lambda x: outs[x.block][x.leaf] if isinstance(x, _Out) else x, calls[pos]
-                    )
+                    spec, rng = calls[pos]
+                    args, kwargs = pytree.tree_map(lambda x: outs[x.block][x.leaf] if isinstance(x, _Out) else x, spec)
+                    if rng is not None:  # code between the blocks drew random numbers: start where it did
+                        torch.set_rng_state(rng[0])
+                        if rng[1]:
+                            torch.utils.checkpoint.set_device_states(rng[1], rng[2])
                 with throwaway_running_stats(block):
                     out = inner_forward(block)(*args, **kwargs)
                 outs.append(pytree.tree_flatten(out)[0])
@@ -135,43 +156,62 @@ class Segment:
         return replay
 
     def call(self, pos: int, args: tuple, kwargs: dict):
-        block = self.blocks[pos]
-        if pos == 0:
-            if self.region is not None:
-                self.close()
-                raise RuntimeError(f"checkpoint {self.name}: its first block ran again before its last block did")
-            self.calls, self.outputs = [kwargs], {}
-            self.region = _open_region(self._replay(self.calls), args)
-        else:
-            if self.region is None or len(self.calls) != pos:
-                self.close()
-                raise RuntimeError(
-                    f"checkpoint {self.name}: block {pos} of the segment ran out of order "
-                    "(its blocks must run one after another, first to last, once per forward)"
-                )
-            self.calls.append(pytree.tree_map(self._as_placeholder, (args, kwargs)))
         try:
-            out = inner_forward(block)(*args, **kwargs)
+            if pos == 0:
+                self.close()  # a region an earlier forward left open
+                self.calls, self.outputs = [kwargs], {}
+                self.region = _open_region(self._replay(self.calls), args)
+            else:
+                if self.region is None or len(self.calls) != pos:
+                    raise RuntimeError(
+                        f"checkpoint {self.name}: block {pos} of the segment ran out of order "
+                        "(its blocks must run one after another, first to last, once per forward)"
+                    )
+                spec = pytree.tree_map(self._as_placeholder, (args, kwargs))
+                self.calls.append((spec, self._rng_if_moved(args, kwargs)))
+            out = inner_forward(self.blocks[pos])(*args, **kwargs)
         except BaseException:
             self.close()
             raise
         for leaf, t in enumerate(pytree.tree_flatten(out)[0]):
             if isinstance(t, torch.Tensor):
-                self.outputs[id(t)] = (weakref.ref(t), pos, leaf)
+                self.outputs[id(t)] = (weakref.ref(t), pos, leaf, t._version)
         if pos == len(self.blocks) - 1:
             self.close(finished=True)
+        else:
+            self.rng_after = self._rng_states(args, kwargs)
         return out
+
+    @staticmethod
+    def _rng_states(args: tuple, kwargs: dict) -> tuple:
+        return (torch.get_rng_state(), *torch.utils.checkpoint.get_device_states(*args, *kwargs.values()))
+
+    def _rng_if_moved(self, args: tuple, kwargs: dict):
+        """The random state now, if it is not where the previous block left it (else None: the replay,
+        running the blocks back to back, is already there)."""
+        now, before = self._rng_states(args, kwargs), self.rng_after
+        self.rng_after = None
+        same = before is not None and torch.equal(now[0], before[0]) and now[1] == before[1] and all(
+            torch.equal(a, b) for a, b in zip(now[2], before[2], strict=True)
+        )
+        return None if same else now
 
     def _as_placeholder(self, x):
         if isinstance(x, torch.Tensor):
             hit = self.outputs.get(id(x))
             if hit is not None and hit[0]() is x:
+                if x._version != hit[3]:
+                    raise RuntimeError(
+                        f"checkpoint {self.name}: the output of block {hit[1]} was changed in place before "
+                        "the next block of the segment ran; the recompute cannot repeat that: checkpoint "
+                        "these blocks one by one"
+                    )
                 return _Out(hit[1], hit[2])
         return x
 
     def close(self, finished: bool = False) -> None:
         # the recorded calls now belong to the region's replay alone (freed with the autograd graph)
-        region, self.region, self.outputs, self.calls = self.region, None, {}, []
+        region, self.region, self.outputs, self.calls, self.rng_after = self.region, None, {}, [], None
         if region is None:
             return
         if finished:
@@ -184,17 +224,18 @@ class Segment:
 
 
 def _ckpt_segment_forward(self: nn.Module, *args, **kwargs):
-    """The instance forward of a block in a segment (bound with MethodType)."""
+    """The instance forward of a block in a segment (bound with MethodType). Whether the segment is
+    checkpointed is decided at its first block; while its region is open every block goes through it."""
     segment, pos = self.__dict__[SEGMENT_ATTR]
-    if not (self.training and torch.is_grad_enabled()):
-        return inner_forward(self)(*args, **kwargs)
-    return segment.call(pos, args, kwargs)
+    if segment.region is not None or (pos == 0 and self.training and torch.is_grad_enabled()):
+        return segment.call(pos, args, kwargs)
+    return inner_forward(self)(*args, **kwargs)
 
 
 def checkpoint_segment(model: nn.Module, names: list[str]) -> Segment:
     """Checkpoint the consecutive blocks `names` of `model` as one segment, in place."""
     segment = Segment([model.get_submodule(n) for n in names], f"segment {names[0]}..{names[-1]}")
-    segment.wrap()
+    segment.wrap(root=model)
     return segment
 
 

@@ -351,3 +351,116 @@ def test_a_segment_holds_no_tensor_between_steps():
     assert segment.calls == []
     assert segment.outputs == {}
     assert model.last_scale() is None
+
+
+# -- what the parent does between a segment's blocks -------------------------------------------------
+
+
+class _Drop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return x + self.drop(torch.tanh(self.fc(x)))
+
+
+class _Parent(nn.Module):
+    """Blocks in a loop, with `between(i, x)` run by the parent after block i."""
+
+    def __init__(self, between):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Drop() for _ in range(3))
+        self.between = between
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            x = self.between(i, x)
+        return x.square().sum()
+
+
+def _grads(model, x, seed=1):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = model(x)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+SEG3 = [("blocks.0", "blocks.1", "blocks.2")]
+
+
+def test_random_draws_between_blocks_are_replayed_from_where_each_block_started():
+    def layerdrop(i, x):  # what Hugging Face's Bart, Whisper, Wav2Vec2 do per layer, even at layerdrop 0
+        torch.rand([])
+        return x
+
+    torch.manual_seed(0)
+    model = _Parent(layerdrop)
+    reference = copy.deepcopy(model)
+    apply(model, SEG3)
+    x = torch.randn(4, 16)
+    assert same(_grads(model, x), _grads(reference, x))
+
+
+def test_an_output_changed_in_place_before_the_next_block_is_refused():
+    def scale(i, x):
+        return x.mul_(2) if i == 0 else x
+
+    torch.manual_seed(0)
+    model = _Parent(scale)
+    apply(model, SEG3)
+    with pytest.raises(RuntimeError, match="changed in place"):
+        model(torch.randn(4, 16))
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # the region was closed
+
+
+def test_parent_code_that_raises_between_blocks_leaves_no_region_open():
+    fail = {"on": True}
+
+    def maybe_raise(i, x):
+        if i == 0 and fail["on"]:
+            raise ValueError("between blocks")
+        return x
+
+    torch.manual_seed(0)
+    model = _Parent(maybe_raise)
+    reference = copy.deepcopy(model)
+    apply(model, SEG3)
+    x = torch.randn(4, 16)
+    with pytest.raises(ValueError, match="between blocks"):
+        model(x)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    fail["on"] = False
+    assert same(_grads(model, x), _grads(reference, x))
+    remove(model)
+    assert not model._forward_hooks  # the segment's hook on the model is gone with it
+
+
+def test_a_segment_whose_last_block_is_in_eval_mode_still_closes():
+    torch.manual_seed(0)
+    model = _Parent(lambda i, x: x)
+    reference = copy.deepcopy(model)
+    apply(model, SEG3)
+    for m in (model, reference):
+        m.train()
+        m.blocks[2].eval()  # e.g. a frozen layer kept in eval mode: decided at the first block
+    x = torch.randn(4, 16)
+    for m in (model, reference):
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        m(x).backward()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+
+
+def test_segment_names_that_yaml_would_misread_round_trip(tmp_path):
+    from ckpt_tune.emit import Plan, load_plan, write_plan
+
+    entries = (("d.x]", "d.y"), ("d.a, b", "d.c"), ("0", "null"), ("blocks.0", "blocks.1"))
+    plan = Plan("t.py:build", "cpu", "fp32", "adamw", 1, 1, 1, entries, 1, 0.1)
+    assert load_plan(write_plan(plan, tmp_path / "plan.yaml")).checkpoint == entries
+    assert "  - [blocks.0, blocks.1]" in (tmp_path / "plan.yaml").read_text()
