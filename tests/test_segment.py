@@ -464,3 +464,25 @@ def test_segment_names_that_yaml_would_misread_round_trip(tmp_path):
     plan = Plan("t.py:build", "cpu", "fp32", "adamw", 1, 1, 1, entries, 1, 0.1)
     assert load_plan(write_plan(plan, tmp_path / "plan.yaml")).checkpoint == entries
     assert "  - [blocks.0, blocks.1]" in (tmp_path / "plan.yaml").read_text()
+
+
+def test_segments_dropped_from_the_terms_stay_dropped_when_a_plan_is_learned(monkeypatch):
+    """After `drop_estimated_segments`, learning the measured terms of a verified plan must not bring
+    the dropped estimates back (they would cost the search more verification runs)."""
+    import types
+
+    import ckpt_tune.search as search_module
+    from ckpt_tune.memory_model import BlockTerms, RunCut, Terms
+
+    s = Searcher(types.SimpleNamespace(model=None), units=["b0", "b1", "b2", "b3"], segments=True)
+    s.segment_keys = ((0, 1), (1, 2), (2, 3), (0, 2))
+    blk = BlockTerms((10,) * 4, (5,) * 4, (20,) * 4)
+    s._terms[8] = s._with_segments(Terms(8, s.units, 0, 0, 0, (blk,) * 4))
+    monkeypatch.setattr(search_module, "cut_run", lambda *a, **k: RunCut((), 0, 0, (10,) * 4, (5,) * 4, (20,) * 4, 0))
+    run = types.SimpleNamespace(timeline=types.SimpleNamespace(live_at=None, max_between=None, markers=None))
+    plan = with_segment((0, 0, 0, 0), 0, 1)
+    s._learn_segments(8, plan, run)
+    s.drop_estimated_segments(8)
+    assert sorted(s._terms[8].segments) == [(0, 1)]
+    s._learn_segments(8, plan, run)
+    assert sorted(s._terms[8].segments) == [(0, 1)]
