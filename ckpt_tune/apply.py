@@ -21,7 +21,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from ckpt_tune.emit import Entry, Plan, load_plan, member_names
+from ckpt_tune.emit import Entry, Plan, is_entry, load_plan, member_names
 from ckpt_tune.errors import PlanError
 from ckpt_tune.segment import (
     INNER_ATTR,
@@ -74,14 +74,10 @@ def applied_names(model: nn.Module) -> tuple[str, ...]:
     return tuple(name for name, m in model.named_modules() if _is_wrapped(m))
 
 
-def _is_entry(e: object) -> bool:
-    return isinstance(e, str) or (isinstance(e, (list, tuple)) and all(isinstance(n, str) for n in e))
-
-
 def _names_from(plan_or_path: Plan | str | Path | dict | Sequence[Entry]) -> tuple[Entry, ...]:
     if isinstance(plan_or_path, (Plan, str, Path, dict)):
         return load_plan(plan_or_path).checkpoint
-    if isinstance(plan_or_path, Sequence) and all(_is_entry(e) for e in plan_or_path):
+    if isinstance(plan_or_path, Sequence) and all(is_entry(e, min_segment=0) for e in plan_or_path):
         return tuple(e if isinstance(e, str) else tuple(e) for e in plan_or_path)
     raise PlanError(
         f"cannot apply {type(plan_or_path).__name__}: expected a Plan, a plan file path, a mapping or a list "

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from ckpt_tune.emit import OPTIMIZERS, PRECISIONS, Plan, entry_label, load_plan
+from ckpt_tune.emit import OPTIMIZERS, PRECISIONS, Plan, entry_label, is_entry, load_plan, parse_yaml
 from ckpt_tune.errors import BaselineError, CkptTuneError, RegressionError
 from ckpt_tune.units import format_bytes, parse_percent
 
@@ -707,15 +707,7 @@ def load_baseline(path: str | Path) -> Baseline:
         ) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise BaselineError(f"cannot read {where}: {getattr(exc, 'strerror', None) or exc}") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise BaselineError(
-            f"{where} is not valid YAML{at}: {getattr(exc, 'problem', None) or exc}",
-            hint="restore it from version control, or record a new one with --update",
-        ) from exc
+    data = parse_yaml(text, where, BaselineError, "restore it from version control, or record a new one with --update")
     r = _Reader(where)
     if not isinstance(data, dict):
         raise BaselineError(
@@ -731,9 +723,7 @@ def load_baseline(path: str | Path) -> Baseline:
         )
     s = r.keys(data["settings"], _SETTING_KEYS, _OPTIONAL_SETTINGS, "settings.")
     ckpt = s.get("checkpoint") or []
-    if not isinstance(ckpt, list) or not all(
-        isinstance(n, str) or (isinstance(n, list) and len(n) >= 2 and all(isinstance(m, str) for m in n)) for n in ckpt
-    ):
+    if not isinstance(ckpt, list) or not all(is_entry(n) for n in ckpt):
         raise r.fail(
             "settings.checkpoint",
             f"must be a list of module names (a segment: a list of two or more), got {ckpt!r}",

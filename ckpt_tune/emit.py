@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from ckpt_tune.errors import PlanError
+from ckpt_tune.errors import CkptTuneError, PlanError
 from ckpt_tune.units import format_bytes
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
@@ -28,6 +28,13 @@ PLAN_VERSION = 1
 # An entry of a plan's `checkpoint` list: a module name, or a segment: the names of two or more
 # consecutive blocks checkpointed as one region (ckpt_tune/segment.py).
 Entry = str | tuple[str, ...]
+
+
+def is_entry(e: Any, min_segment: int = 2) -> bool:
+    """A module name, or a segment: a list or tuple of at least `min_segment` names."""
+    return isinstance(e, str) or (
+        isinstance(e, (list, tuple)) and len(e) >= min_segment and all(isinstance(n, str) for n in e)
+    )
 
 
 def member_names(entries) -> list[str]:
@@ -152,6 +159,16 @@ def write_plan(plan: Plan, path: str | Path) -> Path:
     return path
 
 
+def parse_yaml(text: str, where: str, error: type[CkptTuneError], hint: str | None = None) -> Any:
+    """`yaml.safe_load(text)`, or `error` naming the file (`where`), the line and column, and the problem."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise error(f"{where} is not valid YAML{at}: {getattr(exc, 'problem', None) or exc}", hint=hint) from exc
+
+
 def load_plan(source: str | Path | dict | Plan) -> Plan:
     """A validated Plan from a plan file path, a mapping with the file's keys, or a Plan.
 
@@ -177,12 +194,7 @@ def load_plan(source: str | Path | dict | Plan) -> Plan:
         ) from exc
     except UnicodeDecodeError as exc:
         raise PlanError(f"{where} is not text: {exc.reason}") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise PlanError(f"{where} is not valid YAML{at}: {getattr(exc, 'problem', None) or exc}") from exc
+    data = parse_yaml(text, where, PlanError)
     if not isinstance(data, dict):
         raise PlanError(
             f"{where} must hold a mapping of plan fields, found {type(data).__name__ if data is not None else 'nothing'}",
@@ -292,12 +304,6 @@ def _checkpoint_entries(value: Any, where: str) -> tuple[Entry, ...]:
     """The `checkpoint` list: module names, and segments as lists of two or more names."""
     if value is None:
         return ()
-
-    def is_entry(e: Any) -> bool:
-        return isinstance(e, str) or (
-            isinstance(e, (list, tuple)) and len(e) >= 2 and all(isinstance(n, str) for n in e)
-        )
-
     if not isinstance(value, (list, tuple)) or not all(is_entry(e) for e in value):
         raise _field_error(
             where,

@@ -75,6 +75,18 @@ def with_segment(choice: tuple[int, ...], i: int, j: int) -> tuple[int, ...]:
     return (*choice[:i], -(j - i + 1), *(SEGMENT_MEMBER,) * (j - i), *choice[j + 1 :])
 
 
+def plan_entries(units, options, choice: tuple[int, ...]) -> tuple[str | tuple[str, ...], ...]:
+    """Plan entries for a choice: the block for option 1, `block.<sub>` for options 2.., and a tuple of
+    the blocks' names for a segment."""
+    out: list[str | tuple[str, ...]] = []
+    for i, (u, c) in enumerate(zip(units, choice)):
+        if c < SEGMENT_MEMBER:
+            out.append(tuple(units[i : i - c]))
+        elif c > 0:
+            out.append(u if c == 1 else f"{u}.{options[c]}")
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class Terms:
     batch_size: int
@@ -92,15 +104,7 @@ class Terms:
         return len(self.options)
 
     def names(self, choice: tuple[int, ...]) -> tuple[str | tuple[str, ...], ...]:
-        """Plan entries for a choice: the block for option 1, `block.<sub>` for options 2.., and a tuple
-        of the blocks' names for a segment."""
-        out: list[str | tuple[str, ...]] = []
-        for i, (u, c) in enumerate(zip(self.units, choice)):
-            if c < SEGMENT_MEMBER:
-                out.append(self.units[i : i - c])
-            elif c > 0:
-                out.append(u if c == 1 else f"{u}.{self.options[c]}")
-        return tuple(out)
+        return plan_entries(self.units, self.options, choice)
 
     def interpolate(self, other: Terms, batch_size: int) -> Terms:
         """Terms at another batch size, linear through self and other (rounded up: never optimistic)."""

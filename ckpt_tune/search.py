@@ -27,6 +27,7 @@ from ckpt_tune.memory_model import (
     combine,
     cut_run,
     estimate_segments,
+    plan_entries,
     predict,
     probe_configs,
     segment_terms,
@@ -167,8 +168,8 @@ class Searcher:
             )
 
     def names(self, choice: tuple[int, ...]) -> list:
-        """Plan entries of a choice (see Terms.names)."""
-        return list(Terms(0, self.units, 0, 0, 0, (), options=self.options).names(choice))
+        """Plan entries of a choice (memory_model.plan_entries)."""
+        return list(plan_entries(self.units, self.options, choice))
 
     def costs(self, batch_size: int) -> tuple[tuple[float, ...], ...]:
         """Recompute cost of each block's options: the checkpointed module's forward time (ms) at this batch."""
@@ -208,9 +209,6 @@ class Searcher:
         return self._segments_by_kind[self._kind]
 
     def terms(self, batch_size: int) -> Terms:
-        return self._probe_terms(batch_size)
-
-    def _probe_terms(self, batch_size: int) -> Terms:
         """Terms of the iteration searched, probed at this batch (cached). With gradient accumulation
         the probes run two micro-batches and are cut at the second, where every gradient is live (as
         in every later micro-batch); the first is part of the iteration's fixed term."""
@@ -231,7 +229,7 @@ class Searcher:
                 if m is None:  # outside the except clause, so the failed step's tensors are gone
                     torch.cuda.empty_cache()
                     self.notes.append(f"batch {batch_size}: a probe ran out of device memory; terms fitted from batches {self.b1} and {self.b2}")
-                    self._terms[batch_size] = self._probe_terms(self.b1).interpolate(self._probe_terms(self.b2), batch_size)
+                    self._terms[batch_size] = self.terms(self.b1).interpolate(self.terms(self.b2), batch_size)
                     return self._terms[batch_size]
                 self.runs += 1
                 tl = m.timeline
@@ -281,7 +279,7 @@ class Searcher:
 
     def drop_estimated_segments(self, batch_size: int) -> None:
         """Keep only segments whose terms were measured (for the predecessor options measured)."""
-        t = self._probe_terms(batch_size)
+        t = self.terms(batch_size)
         self._terms[batch_size] = replace(t, segments={k: v for k, v in t.segments.items() if v.measured})
 
     def gathered_bytes(self) -> int:
