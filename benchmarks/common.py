@@ -1,18 +1,17 @@
-"""Shared pieces of the benchmarks: the example targets, an independent ground-truth harness, timing,
-and the writer of `results/<name>.json` / `<name>.md`.
+"""Shared pieces of the benchmarks: the example targets, the ground-truth harness, timing, and the
+writer of `results/<name>.json` / `<name>.md`.
 
-Ground truth never comes from ckpt-tune itself. `measured_peak` is adapted from tests/harness.py and
-shares no code with ckpt_tune.runner: a freshly built model, the profiler started before the warm-up
+Ground truth never comes from ckpt-tune itself. `measured_peak` is tests/harness.py's, the one the test
+suite uses, and shares no code with ckpt_tune.runner: a freshly built model, the profiler started before the warm-up
 iteration (so gradients, optimizer state, the batch and activations are all seen from their allocation
 on), gc collected before and disabled during, and the peak of the measured iteration is the bytes of
 parameters and buffers plus the largest running sum of the CPU allocator's `[memory]` events inside it
-(DESIGN.md §3). Checkpointing is applied by this file's own wrappers, not by ckpt_tune.apply.
+(DESIGN.md §3). Checkpointing is applied by the harness's own wrappers, not by ckpt_tune.apply.
 """
 
 from __future__ import annotations
 
 import datetime
-import gc
 import importlib.util
 import json
 import os
@@ -30,17 +29,17 @@ from typing import Any
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the profiler warns about pre-existing blocks
 
 import torch
-import torch.utils.checkpoint as cp
 from torch import nn
-from torch.profiler import ProfilerActivity, profile, record_function
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-MARK = "bench::measured"
 MiB = 1 << 20
 
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from tests import harness  # noqa: E402  (the ground truth the test suite uses)
+from tests.harness import Segment, make_optimizer, wrap_blocks  # noqa: E402
 
 
 # -- targets -----------------------------------------------------------------------------------------
@@ -71,58 +70,6 @@ EXAMPLES = ("gpt", "resnet", "unet", "hf_gpt2")
 
 
 # -- checkpoint wrappers (independent of ckpt_tune.apply) ------------------------------------------
-def wrap_blocks(model: nn.Module, names: Sequence) -> None:
-    """Wrap each named module with plain non-reentrant checkpoint (one unit per module); an entry that
-    is a tuple of names (a plan's segment) runs those blocks as one checkpointed `_Segment`."""
-    for name in names:
-        if not isinstance(name, str):
-            mods = [model.get_submodule(n) for n in name]
-            seg = _Segment(mods, checkpointed=True)
-            mods[0].forward = seg.__call__
-            for m in mods[1:]:
-                m.forward = seg.passthrough
-            continue
-        mod = model.get_submodule(name)
-        inner = mod.forward
-
-        def fwd(*args, _inner=inner, **kwargs):
-            return cp.checkpoint(_inner, *args, use_reentrant=False, **kwargs)
-
-        mod.forward = fwd
-
-
-class _Segment:
-    """Blocks run back to back under ONE non-reentrant checkpoint: only the segment's input is kept.
-
-    Each block gets the previous block's hidden state plus the extra arguments the caller passed to the
-    first (Hugging Face blocks take attention masks etc., the same for every layer). The output has the
-    form of the last block's output (a tensor, or a tuple whose first entry is the hidden state)."""
-
-    def __init__(self, blocks: list[nn.Module], checkpointed: bool) -> None:
-        self.blocks = blocks
-        self.forwards = [type(b).forward.__get__(b) for b in blocks]  # the class forwards, before rewiring
-        self.checkpointed = checkpointed
-        self.returns_tuple = False
-
-    def _run(self, x, *args, **kwargs):
-        out = x
-        for fwd in self.forwards:
-            out = fwd(x, *args, **kwargs)
-            x = out[0] if isinstance(out, tuple) else out
-        return out
-
-    def __call__(self, x, *args, **kwargs):
-        if self.checkpointed and torch.is_grad_enabled():
-            out = cp.checkpoint(self._run, x, *args, use_reentrant=False, **kwargs)
-        else:
-            out = self._run(x, *args, **kwargs)
-        self.returns_tuple = isinstance(out, tuple)
-        return out
-
-    def passthrough(self, x, *args, **kwargs):
-        return (x,) if self.returns_tuple else x
-
-
 def wrap_segments(model: nn.Module, units: Sequence[str], segments: Sequence[tuple[int, int]], checkpoint: Sequence[bool]) -> None:
     """Run each [start, end) range of `units` as one segment, checkpointed as ONE unit where asked.
 
@@ -132,10 +79,7 @@ def wrap_segments(model: nn.Module, units: Sequence[str], segments: Sequence[tup
     between stages (SEGMENT_CHAIN_OK)."""
     for (start, end), ck in zip(segments, checkpoint, strict=True):
         mods = [model.get_submodule(u) for u in units[start:end]]
-        seg = _Segment(mods, ck)
-        mods[0].forward = seg.__call__
-        for m in mods[1:]:
-            m.forward = seg.passthrough
+        Segment(mods, ck).install()
 
 
 SEGMENT_CHAIN_OK = {"gpt": True, "hf_gpt2": True, "resnet": True, "unet": False}
@@ -149,69 +93,18 @@ def sqrt_segments(n: int) -> list[tuple[int, int]]:
 
 
 # -- the harness ----------------------------------------------------------------------------------------
-def _optimizer(params, name: str):
-    if name == "none" or not params:
-        return None
-    return {
-        "adamw": lambda: torch.optim.AdamW(params, lr=1e-3),
-        "adam": lambda: torch.optim.Adam(params, lr=1e-3),
-        "sgd": lambda: torch.optim.SGD(params, lr=1e-3),
-        "sgd-momentum": lambda: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
-    }[name]()
-
-
 def measured_peak(
     ex: Example,
     batch_size: int,
-    checkpoint: Sequence[str] = (),
+    checkpoint: Sequence = (),
     wrap: Callable[[nn.Module], None] | None = None,
     optimizer: str = "adamw",
     steps: int = 2,
 ) -> int:
-    """Peak live bytes of the steady-state iterations (2..steps) of a freshly built model.
-
-    `checkpoint`: module names wrapped one by one; `wrap`: any other rewrite of the fresh model."""
-    model = ex.build()
-    model.train()
-    if checkpoint:
-        wrap_blocks(model, checkpoint)
-    if wrap is not None:
-        wrap(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    before = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()]}
-    gc.collect()
-    gc.disable()
-    try:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            opt = _optimizer(params, optimizer)
-            for i in range(steps):
-                if i == 1:
-                    with record_function(MARK):
-                        pass
-                for p in params:
-                    p.grad = None
-                batch = ex.make_batch(batch_size)
-                loss = ex.loss_fn(model, batch)
-                loss.backward()
-                if opt is not None:
-                    opt.step()
-                del loss, batch
-    finally:
-        gc.enable()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() in ("[memory]", MARK)]
-    events.sort(key=lambda e: e.start_ns())
-    live, peak, started = 0, 0, False
-    for e in events:
-        if e.name() == MARK:
-            started, peak = True, live
-            continue
-        if e.device_type() == torch.autograd.DeviceType.CPU:
-            live += e.nbytes()
-        if started:
-            peak = max(peak, live)
-    del prof, model, opt, params
-    gc.collect()
-    return sum(before.values()) + peak
+    """tests/harness.py's ground truth for an example target (see its `measured_peak`)."""
+    return harness.measured_peak(
+        ex.build, ex.make_batch, ex.loss_fn, batch_size, checkpoint, optimizer, wrap=wrap, steps=steps
+    )
 
 
 # -- timing -------------------------------------------------------------------------------------------
@@ -227,7 +120,7 @@ class TimedModel:
         if wrap is not None:
             wrap(self.model)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = _optimizer(params, "adamw")
+        self.opt = make_optimizer(params, "adamw")
         self.params = params
 
     def step(self, batch_size: int) -> float:

@@ -18,11 +18,12 @@ from torch.profiler import ProfilerActivity, profile, record_function
 MARK = "harness::measured"
 
 
-def _wrap(model, names):
-    """A plain non-reentrant checkpoint wrapper, independent of ckpt_tune.apply."""
+def wrap_blocks(model, names):
+    """A plain non-reentrant checkpoint wrapper, independent of ckpt_tune.apply; an entry that is a
+    tuple of names (a plan's segment) runs those blocks as one checkpointed `Segment`."""
     for name in names:
         if not isinstance(name, str):
-            _wrap_segment(model, list(name))
+            Segment([model.get_submodule(n) for n in name], checkpointed=True).install()
             continue
         mod = model.get_submodule(name)
         inner = mod.forward
@@ -33,59 +34,90 @@ def _wrap(model, names):
         mod.forward = fwd
 
 
-def _wrap_segment(model, names):
-    """Consecutive blocks under one checkpoint, with the public API only and independent of
-    ckpt_tune/segment.py: for chains `x = block(x, *rest, **kw)` whose blocks return one tensor and
-    take the same `rest` and `kw`. The first block runs the whole segment inside one
-    `torch.utils.checkpoint.checkpoint`; the blocks after it hand its result on unchanged."""
-    mods = [model.get_submodule(n) for n in names]
-    inners = [m.forward for m in mods]
-    state = {}
+class Segment:
+    """Blocks run back to back, under ONE non-reentrant checkpoint when `checkpointed` (public API only,
+    independent of ckpt_tune/segment.py): only the segment's input is kept.
 
-    def run(x, *rest, **kw):
-        for f in inners:
-            x = f(x, *rest, **kw)
-        return x
+    For chains `x = block(x, *rest, **kw)`: each block gets the previous block's hidden state plus the
+    extra arguments the caller passed to the first (Hugging Face blocks take attention masks etc., the
+    same for every layer). The first block runs the whole segment; the others hand its result on. The
+    output has the form of the last block's output (a tensor, or a tuple whose first entry is the
+    hidden state)."""
 
-    def first(x, *rest, **kw):
-        out = cp.checkpoint(run, x, *rest, use_reentrant=False, **kw)
-        state["out"] = weakref.ref(out)  # a strong reference would keep it alive through backward
+    def __init__(self, blocks, checkpointed: bool) -> None:
+        self.blocks = blocks
+        self.forwards = [b.forward for b in blocks]  # before rewiring
+        self.checkpointed = checkpointed
+        self.returns_tuple = False
+        self.hidden = None  # weak reference: a strong one would keep it alive through backward
+
+    def _run(self, x, *args, **kwargs):
+        out = x
+        for fwd in self.forwards:
+            out = fwd(x, *args, **kwargs)
+            x = out[0] if isinstance(out, tuple) else out
         return out
 
-    def later(x, *rest, **kw):
-        assert x is state["out"](), "segment blocks must be called as a chain"
-        return x
+    def __call__(self, x, *args, **kwargs):
+        if self.checkpointed and torch.is_grad_enabled():
+            out = cp.checkpoint(self._run, x, *args, use_reentrant=False, **kwargs)
+        else:
+            out = self._run(x, *args, **kwargs)
+        self.returns_tuple = isinstance(out, tuple)
+        self.hidden = weakref.ref(out[0] if self.returns_tuple else out)
+        return out
 
-    mods[0].forward = first
-    for m in mods[1:]:
-        m.forward = later
+    def passthrough(self, x, *args, **kwargs):
+        assert x is self.hidden(), "segment blocks must be called as a chain"
+        return (x,) if self.returns_tuple else x
+
+    def install(self) -> None:
+        self.blocks[0].forward = self.__call__
+        for b in self.blocks[1:]:
+            b.forward = self.passthrough
+
+
+def make_optimizer(params, name: str):
+    if name == "none" or not params:
+        return None
+    return {
+        "adamw": lambda: torch.optim.AdamW(params, lr=1e-3),
+        "adam": lambda: torch.optim.Adam(params, lr=1e-3),
+        "sgd": lambda: torch.optim.SGD(params, lr=1e-3),
+        "sgd-momentum": lambda: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
+    }[name]()
 
 
 def measured_peak(
-    build, make_batch, loss_fn, batch_size: int, checkpoint=(), optimizer: str = "adamw", accum_steps: int = 1
+    build,
+    make_batch,
+    loss_fn,
+    batch_size: int,
+    checkpoint=(),
+    optimizer: str = "adamw",
+    accum_steps: int = 1,
+    wrap=None,
+    steps: int = 2,
 ) -> int:
-    """Peak live bytes of the second training iteration of a freshly built model (steady state).
+    """Peak live bytes of the steady-state iterations (2..steps) of a freshly built model.
 
-    With `accum_steps` > 1 an iteration is that many micro-batches of `batch_size` (loss / steps,
-    gradients summed by autograd) before the one optimizer step."""
+    `checkpoint`: names (and segments) wrapped by `wrap_blocks`; `wrap`: any other rewrite of the
+    fresh model. With `accum_steps` > 1 an iteration is that many micro-batches of `batch_size`
+    (loss / steps, gradients summed by autograd) before the one optimizer step."""
     model = build()
     model.train()
     if checkpoint:
-        _wrap(model, checkpoint)
+        wrap_blocks(model, checkpoint)
+    if wrap is not None:
+        wrap(model)
     params = [p for p in model.parameters() if p.requires_grad]
     before = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()]}
     gc.collect()  # earlier tests' garbage must not be freed (and reported) while profiling
     gc.disable()
     try:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            opt = {
-                "adamw": lambda: torch.optim.AdamW(params, lr=1e-3),
-                "adam": lambda: torch.optim.Adam(params, lr=1e-3),
-                "sgd": lambda: torch.optim.SGD(params, lr=1e-3),
-                "sgd-momentum": lambda: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
-                "none": lambda: None,
-            }[optimizer]()
-            for i in range(2):
+            opt = make_optimizer(params, optimizer)
+            for i in range(steps):
                 if i == 1:
                     with record_function(MARK):
                         pass
@@ -114,4 +146,6 @@ def measured_peak(
             live += e.nbytes()
         if started:
             peak = max(peak, live)
+    del prof, model, opt, params
+    gc.collect()
     return sum(before.values()) + peak
