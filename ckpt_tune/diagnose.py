@@ -319,6 +319,16 @@ def summarize(d: Diagnosis) -> str:
     return f"does not fit: peak {format_bytes(p.total)} is {format_bytes(p.total - usable)} over {format_bytes(usable)}, reached in {p.where}"
 
 
+def states_exceed_text(d: Diagnosis) -> str:
+    """Weights + gradients + optimizer state against the budget, for a diagnosis whose states alone exceed it."""
+    s = d.states
+    return (
+        f"weights {format_bytes(s.params)} + gradients {format_bytes(s.grads)} + optimizer state "
+        f"{format_bytes(s.optimizer)} = {format_bytes(s.params + s.grads + s.optimizer)} exceed the budget "
+        f"{format_bytes(d.budget.usable_bytes)} before any activation: no checkpoint plan or batch size can fit"
+    )
+
+
 # -- the library call ---------------------------------------------------------------------------------
 
 

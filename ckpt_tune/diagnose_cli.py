@@ -147,7 +147,7 @@ def render_oom(o) -> None:
 def render_diagnosis(d) -> None:
     """Verdict, states against the budget, the moments, what is live at the peak, the ranked remedies."""
     from ckpt_tune import report
-    from ckpt_tune.diagnose import summarize
+    from ckpt_tune.diagnose import states_exceed_text, summarize
 
     err = report.err
     b = d.budget
@@ -156,19 +156,13 @@ def render_diagnosis(d) -> None:
         escape(f"{d.target}: batch {d.batch_size}, {d.device}, {d.precision}, optimizer {d.optimizer}{per}")
         + f"\nbudget: {escape(b.source)}; usable {format_bytes(b.usable_bytes)}"
     )
-    s = d.states
-    states = s.params + s.grads + s.optimizer
     if d.states_exceed:
-        err.print(
-            f"[bold red]weights {format_bytes(s.params)} + gradients {format_bytes(s.grads)} + optimizer state "
-            f"{format_bytes(s.optimizer)} = {format_bytes(states)} exceed the budget {format_bytes(b.usable_bytes)}[/bold red] "
-            "before any activation: no checkpoint plan or batch size can fit"
-        )
+        err.print(f"[bold red]{escape(states_exceed_text(d))}[/bold red]")
     elif d.floor is not None and not d.floor.fits:
         err.print(
             f"[bold red]even {escape(d.floor.title)} the step peaks at {format_bytes(d.floor.peak_bytes)}[/bold red] "
             f"({escape(d.floor.peak_where)}) against a {format_bytes(b.usable_bytes)} budget; weights + gradients + "
-            f"optimizer state are {format_bytes(states)} of it"
+            f"optimizer state are {format_bytes(d.states.params + d.states.grads + d.states.optimizer)} of it"
         )
     color = "green" if d.fits else "red"
     err.print(f"[bold {color}]{escape(summarize(d))}[/bold {color}]")

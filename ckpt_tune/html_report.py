@@ -241,16 +241,11 @@ def render_html(d: Diagnosis | None, oom: OomDiagnosis | None = None) -> str:
             chips.append(f"{d.shard} over {d.world_size} GPUs (per-GPU numbers)")
         body.append(f"<h1>ckpt-tune diagnose</h1><div class='sub'>{escape(d.target)}</div>")
         body.append("".join(f"<span class='chip'>{escape(c)}</span>" for c in chips))
-        from ckpt_tune.diagnose import summarize
+        from ckpt_tune.diagnose import states_exceed_text, summarize
 
         body.append(f"<div class='verdict {'good' if d.fits else 'bad'}'>{escape(summarize(d))}</div>")
-        s = d.states
         if d.states_exceed:
-            body.append(
-                f"<div class='verdict warn'>weights {_fmt(s.params)} + gradients {_fmt(s.grads)} + optimizer state "
-                f"{_fmt(s.optimizer)} = {_fmt(s.params + s.grads + s.optimizer)} exceed the budget {_fmt(b.usable_bytes)} "
-                "before any activation: no checkpoint plan or batch size can fit</div>"
-            )
+            body.append(f"<div class='verdict warn'>{escape(states_exceed_text(d))}</div>")
         elif d.floor is not None and not d.floor.fits:
             body.append(f"<div class='verdict warn'>even {escape(d.floor.title)} the peak is {_fmt(d.floor.peak_bytes)}</div>")
         body.append("<h2>Memory timeline of one step</h2><div class='card'>")
