@@ -8,7 +8,7 @@ planner's plan for a budget halfway between those two), compare with the harness
   `search` rests its final answer on;
 - `fitted`: the same on terms fitted as a line through batches 1 and 4 (`Terms.interpolate`), what
   `search` uses to guess the batch before re-probing; batch 8 and 16 are extrapolations;
-- `profile`: `ckpt_tune.api.profile(...).peak_bytes` (what `ckpt-tune profile` reports) against the
+- `profile`: `ckpt_tune.profile(...).peak_bytes` (what `ckpt-tune profile` reports) against the
   harness's no-checkpointing peak.
 
     .venv/bin/python benchmarks/accuracy.py [--models gpt,resnet] [--quick]
@@ -36,10 +36,10 @@ from benchmarks.common import (
     tool_searcher,
     write_results,
 )
-from ckpt_tune.api import Settings
-from ckpt_tune.api import profile as tool_profile
-from ckpt_tune.memory_model import predict
-from ckpt_tune.planner import solve
+from ckpt_tune.tune.memory_model import predict
+from ckpt_tune.tune.planner import solve
+from ckpt_tune.tune.search import Settings
+from ckpt_tune.tune.search import profile as tool_profile
 
 BATCHES = {"gpt": (2, 4, 8), "resnet": (4, 8, 16), "unet": (2, 4, 8), "hf_gpt2": (1, 2, 4)}
 QUICK = {"gpt": (2, 4), "resnet": (4, 8), "unet": (2, 4), "hf_gpt2": (1, 2)}

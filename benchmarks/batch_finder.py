@@ -10,7 +10,7 @@ real training steps (plain steps, no profiler), as on a GPU where an OOM costs n
 lower bound on what it costs there. It runs twice: with every block checkpointed (what a user who
 needs memory would do) and without checkpointing.
 
-ckpt-tune's time is `ckpt_tune.api.search(target, vram=...)` end to end (probes, planning,
+ckpt-tune's time is `ckpt_tune.search(target, vram=...)` end to end (probes, planning,
 verification, frontier), in the same process. Finally each configuration found is timed (interleaved
 steps) to compare training throughput: samples per second at the batch and plan found.
 
@@ -37,9 +37,9 @@ from benchmarks.common import (
     mib,
     write_results,
 )
-from ckpt_tune.api import Settings, search
-from ckpt_tune.device import parse_budget
-from ckpt_tune.search import find_blocks
+from ckpt_tune.measure.device import parse_budget
+from ckpt_tune.tune.search import Settings, search
+from ckpt_tune.tune.searcher import find_blocks
 
 STEPS_PER_TRIAL = 3  # Lightning's default
 INIT_VAL = 2  # Lightning's default

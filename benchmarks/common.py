@@ -2,11 +2,11 @@
 writer of `results/<name>.json` / `<name>.md`.
 
 Ground truth never comes from ckpt-tune itself. `measured_peak` is tests/harness.py's, the one the test
-suite uses, and shares no code with ckpt_tune.runner: a freshly built model, the profiler started before the warm-up
+suite uses, and shares no code with ckpt_tune.measure.runner: a freshly built model, the profiler started before the warm-up
 iteration (so gradients, optimizer state, the batch and activations are all seen from their allocation
 on), gc collected before and disabled during, and the peak of the measured iteration is the bytes of
 parameters and buffers plus the largest running sum of the CPU allocator's `[memory]` events inside it
-(DESIGN.md §3). Checkpointing is applied by the harness's own wrappers, not by ckpt_tune.apply.
+(DESIGN.md §3). Checkpointing is applied by the harness's own wrappers, not by ckpt_tune.plan.apply.
 """
 
 from __future__ import annotations
@@ -228,9 +228,9 @@ def pct(x: float) -> str:
 # -- ckpt-tune's side ---------------------------------------------------------------------------------
 def tool_searcher(spec: str, device: str = "cpu"):
     """A ckpt_tune Searcher on a freshly built target, as `api.search` sets one up (entered runner)."""
-    from ckpt_tune import loader
-    from ckpt_tune.runner import StepRunner, StepSettings
-    from ckpt_tune.search import Searcher
+    from ckpt_tune.measure import loader
+    from ckpt_tune.measure.runner import StepRunner, StepSettings
+    from ckpt_tune.tune.searcher import Searcher
 
     target = loader.load_target(spec)
     model = loader.build_model(target).to(device)

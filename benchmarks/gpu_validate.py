@@ -125,9 +125,9 @@ def deadline(seconds: int):
 
 def accuracy(name: str) -> list[dict]:
     from benchmarks.common import tool_searcher
-    from ckpt_tune.api import Settings, profile
-    from ckpt_tune.memory_model import predict
-    from ckpt_tune.planner import solve
+    from ckpt_tune.tune.memory_model import predict
+    from ckpt_tune.tune.planner import solve
+    from ckpt_tune.tune.search import Settings, profile
 
     ex = example(name)
     rows = []
@@ -171,7 +171,7 @@ def accuracy(name: str) -> list[dict]:
 
 
 def card(name: str, vram_gib: float, repeats: int) -> dict:
-    from ckpt_tune.api import Settings, search
+    from ckpt_tune.tune.search import Settings, search
 
     ex = example(name)
     total = torch.cuda.get_device_properties(0).total_memory

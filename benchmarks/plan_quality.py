@@ -53,7 +53,7 @@ from benchmarks.common import (
 )
 from benchmarks.common import write_results as write
 from ckpt_tune.errors import NoFitError
-from ckpt_tune.planner import brute_force
+from ckpt_tune.tune.planner import brute_force
 
 BATCH = {"gpt": 8, "resnet": 16, "unet": 8, "hf_gpt2": 2}
 FRACTIONS = (0.2, 0.4, 0.6, 0.8)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt_tune.api import _fit_target_batch
-from ckpt_tune.runner import StepRunner
-from ckpt_tune.search import Searcher
+from ckpt_tune.measure.runner import StepRunner
+from ckpt_tune.tune.search import _fit_target_batch
+from ckpt_tune.tune.searcher import Searcher
 from tests.fixtures.models import ZOO
 from tests.harness import measured_peak
 

@@ -14,11 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from ckpt_tune.plan.apply import applied_names, apply, remove
 from torch import nn
 
-from ckpt_tune.apply import applied_names, apply, remove
-from ckpt_tune.emit import Plan, member_names, patch_snippet, write_plan
 from ckpt_tune.errors import PlanError
+from ckpt_tune.plan.file import Plan, member_names, write_plan
+from ckpt_tune.plan.patch import patch_snippet
 
 # ---------------------------------------------------------------------------------------------------
 # Models (local to this file on purpose: the shared fixtures are written elsewhere)

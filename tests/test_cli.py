@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ckpt_tune.emit import load_plan
+from ckpt_tune.plan.file import load_plan
 from tests.fixtures.models import write_target_file
 from tests.harness import measured_peak
 

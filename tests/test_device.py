@@ -9,8 +9,9 @@ import types
 import pytest
 import torch
 
-from ckpt_tune import device as dev
-from ckpt_tune.device import (
+from ckpt_tune.errors import BudgetError, CkptTuneError
+from ckpt_tune.measure import device as dev
+from ckpt_tune.measure.device import (
     DEFAULT_CUDA_CONTEXT_BYTES,
     Budget,
     DeviceError,
@@ -22,7 +23,6 @@ from ckpt_tune.device import (
     parse_bytes,
     resolve_device,
 )
-from ckpt_tune.errors import BudgetError, CkptTuneError
 
 GiB = 2**30
 MiB = 2**20

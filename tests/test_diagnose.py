@@ -10,9 +10,16 @@ import sys
 import pytest
 import torch
 
-from ckpt_tune import cli, diagnose_cli
-from ckpt_tune.diagnose import Remedy, apply_lora, diagnose, lora_applied, no_fit_error, rank_remedies
-from ckpt_tune.sharding import eight_bit_moment, eight_bit_state_bytes, offload_moment, peak_of, shard_moment
+from ckpt_tune import cli
+from ckpt_tune.cli import diagnose as diagnose_cli
+from ckpt_tune.diagnosis import Remedy, apply_lora, diagnose, lora_applied, no_fit_error, rank_remedies
+from ckpt_tune.tune.sharding import (
+    eight_bit_moment,
+    eight_bit_state_bytes,
+    offload_moment,
+    peak_of,
+    shard_moment,
+)
 from tests.fixtures.models import ZOO, write_target_file
 from tests.harness import measured_peak
 
@@ -257,9 +264,9 @@ def test_accumulation_prediction_on_other_models(name, micro, steps):
     """The micro-batch remedy's arithmetic (a recorded micro-step + the summed gradients + one layer's new
     gradients in flight) against a real accumulation loop, on models with BatchNorm, dropout, an LSTM
     with a tied weight, and U-Net skips."""
-    from ckpt_tune.diagnose import moments_of
-    from ckpt_tune.runner import StepRunner
-    from ckpt_tune.sharding import accumulate_moment
+    from ckpt_tune.measure.runner import StepRunner
+    from ckpt_tune.tune.moments import moments_of
+    from ckpt_tune.tune.sharding import accumulate_moment
 
     fx = ZOO[name]
     model = fx.build()

@@ -10,17 +10,11 @@ import dataclasses
 import pytest
 import yaml
 
-from ckpt_tune.emit import (
-    OPTIMIZERS,
-    PRECISIONS,
-    Plan,
-    load_plan,
-    patch_snippet,
-    plan_to_yaml,
-    write_plan,
-)
 from ckpt_tune.errors import BudgetError, PlanError
+from ckpt_tune.plan.file import Plan, load_plan, plan_to_yaml, write_plan
+from ckpt_tune.plan.patch import patch_snippet
 from ckpt_tune.units import format_bytes, parse_percent
+from ckpt_tune.vocab import OPTIMIZERS, PRECISIONS
 
 GIB = 2**30
 

@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ckpt_tune import fake, loader, timeline
 from ckpt_tune.errors import CkptTuneError, UserCodeError
-from ckpt_tune.fake import FakeModeError, FakeRecorder, fake_storage_key
-from ckpt_tune.timeline import Recorder, mark
+from ckpt_tune.measure import fake, loader, timeline
+from ckpt_tune.measure.fake import FakeModeError, FakeRecorder, fake_storage_key
+from ckpt_tune.measure.timeline import Recorder, mark
 
 ROOT = Path(__file__).parent.parent
 EXAMPLES = ROOT / "examples"
@@ -287,7 +287,7 @@ def test_to_dtype_casts_a_fake_model_and_keeps_ties():
 @pytest.mark.parametrize("tied", [True, False])
 def test_hf_llama_tied_embeddings_stay_tied(tmp_path, tied):
     pytest.importorskip("transformers")
-    from ckpt_tune.hf import load_hf_target
+    from ckpt_tune.measure.hf import load_hf_target
 
     target = load_hf_target(_tiny_llama_config(tmp_path, tied), seq_len=16)
     model = fake.build_fake_model(target)
@@ -378,7 +378,7 @@ def _rss() -> int:
 @pytest.mark.hf
 def test_llama_7b_builds_and_steps_under_fake_mode_in_little_memory():
     pytest.importorskip("transformers")
-    from ckpt_tune.hf import load_hf_target
+    from ckpt_tune.measure.hf import load_hf_target
 
     before = _rss()
     target = load_hf_target(EXAMPLES / "configs" / "llama-2-7b.json", seq_len=256)

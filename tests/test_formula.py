@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt_tune.profiler import profile_model
-from ckpt_tune.runner import StepSettings
+from ckpt_tune.measure.profiler import profile_model
+from ckpt_tune.measure.runner import StepSettings
 
 transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402

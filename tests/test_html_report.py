@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_tune.diagnose import diagnose
-from ckpt_tune.html_report import render_html, write_html
-from ckpt_tune.oom import diagnose_oom
+from ckpt_tune.cli.html_report import render_html, write_html
+from ckpt_tune.diagnosis import diagnose
+from ckpt_tune.diagnosis.oom import diagnose_oom
 from tests.fixtures.models import write_target_file
 
 ASSETS = Path(__file__).parent / "assets" / "oom"

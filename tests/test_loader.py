@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ckpt_tune.errors import TargetError, UserCodeError
-from ckpt_tune.loader import (
+from ckpt_tune.measure.loader import (
     DEFAULT_LOSS_RULE,
     Target,
     build_model,

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from ckpt_tune.diagnosis.oom import EXPANDABLE, classify, diagnose_oom, parse_oom, parse_size
 from ckpt_tune.errors import CkptTuneError
-from ckpt_tune.oom import EXPANDABLE, classify, diagnose_oom, parse_oom, parse_size
 
 ASSETS = Path(__file__).parent / "assets" / "oom"
 MiB, GiB = 2**20, 2**30

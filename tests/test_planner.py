@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from ckpt_tune.memory_model import BlockTerms, SegmentTerms, Terms, predict, segments_of, with_segment
-from ckpt_tune.planner import all_choices, brute_force, choice_cost, min_peak, solve
+from ckpt_tune.tune.memory_model import BlockTerms, SegmentTerms, Terms, predict, segments_of, with_segment
+from ckpt_tune.tune.planner import all_choices, brute_force, choice_cost, min_peak, solve
 
 
 def _random_terms(rng: random.Random, n: int, k: int = 2) -> Terms:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckpt_tune.profiler import profile_model
-from ckpt_tune.runner import StepRunner, StepSettings
+from ckpt_tune.measure.profiler import profile_model
+from ckpt_tune.measure.runner import StepRunner, StepSettings
 from tests.fixtures.models import LINEAR_WIDTH, ZOO
 from tests.harness import measured_peak
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ckpt_tune.runner import StepRunner
-from ckpt_tune.search import Searcher
+from ckpt_tune.measure.runner import StepRunner
+from ckpt_tune.tune.searcher import Searcher
 from tests.fixtures.models import ZOO
 from tests.harness import measured_peak
 

@@ -12,14 +12,14 @@ import random
 
 import pytest
 import torch
+from ckpt_tune.plan.apply import applied_names, apply, remove
 from torch import nn
 
-from ckpt_tune.apply import applied_names, apply, remove
 from ckpt_tune.errors import PlanError
-from ckpt_tune.memory_model import predict, with_segment
-from ckpt_tune.planner import all_choices
-from ckpt_tune.runner import StepRunner
-from ckpt_tune.search import Searcher
+from ckpt_tune.measure.runner import StepRunner
+from ckpt_tune.tune.memory_model import predict, with_segment
+from ckpt_tune.tune.planner import all_choices
+from ckpt_tune.tune.searcher import Searcher
 from tests.fixtures.models import ZOO, ResidualChain, _chain_batch, _mse_loss
 from tests.harness import measured_peak
 
@@ -325,7 +325,7 @@ def test_a_segment_holds_no_tensor_between_steps():
     import gc
     import weakref
 
-    from ckpt_tune.segment import SEGMENT_ATTR
+    from ckpt_tune.plan.segment import SEGMENT_ATTR
 
     class ScaledLinear(nn.Linear):
         def forward(self, x, scale):
@@ -458,7 +458,7 @@ def test_a_segment_whose_last_block_is_in_eval_mode_still_closes():
 
 
 def test_segment_names_that_yaml_would_misread_round_trip(tmp_path):
-    from ckpt_tune.emit import Plan, load_plan, write_plan
+    from ckpt_tune.plan.file import Plan, load_plan, write_plan
 
     entries = (("d.x]", "d.y"), ("d.a, b", "d.c"), ("0", "null"), ("blocks.0", "blocks.1"))
     plan = Plan("t.py:build", "cpu", "fp32", "adamw", 1, 1, 1, entries, 1, 0.1)
@@ -471,8 +471,8 @@ def test_segments_dropped_from_the_terms_stay_dropped_when_a_plan_is_learned(mon
     the dropped estimates back (they would cost the search more verification runs)."""
     import types
 
-    import ckpt_tune.search as search_module
-    from ckpt_tune.memory_model import BlockTerms, RunCut, Terms
+    import ckpt_tune.tune.searcher as search_module
+    from ckpt_tune.tune.memory_model import BlockTerms, RunCut, Terms
 
     s = Searcher(types.SimpleNamespace(model=None), units=["b0", "b1", "b2", "b3"], segments=True)
     s.segment_keys = ((0, 1), (1, 2), (2, 3), (0, 2))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ckpt_tune.errors import CkptTuneError
-from ckpt_tune.memory_model import BlockTerms, Terms
-from ckpt_tune.sharding import (
+from ckpt_tune.tune.memory_model import BlockTerms, Terms
+from ckpt_tune.tune.sharding import (
     LoraPlan,
     Moment,
     accumulate_moment,
@@ -144,8 +144,8 @@ def test_offload_keeps_one_block_of_activations():
 
 
 def test_moments_from_a_profile_record_alone():
-    from ckpt_tune.profiler import profile_model
-    from ckpt_tune.sharding import moments_from_profile
+    from ckpt_tune.measure.profiler import profile_model
+    from ckpt_tune.tune.sharding import moments_from_profile
     from tests.fixtures.models import ZOO
 
     fx = ZOO["mlp_blocks"]

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ckpt_tune.errors import TargetError
-from ckpt_tune.loader import Target
+from ckpt_tune.measure.loader import Target
 
 # --attn value -> transformers' attn_implementation
 ATTN_IMPLEMENTATIONS = {"sdpa": "sdpa", "eager": "eager", "flash": "flash_attention_2"}

@@ -27,18 +27,19 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from ckpt_tune.emit import OPTIMIZERS, PRECISIONS, Plan, entry_label, is_entry, load_plan, parse_yaml
 from ckpt_tune.errors import BaselineError, CkptTuneError, RegressionError
+from ckpt_tune.plan.file import Plan, entry_label, is_entry, load_plan, parse_yaml
 from ckpt_tune.units import format_bytes, parse_percent
+from ckpt_tune.vocab import OPTIMIZERS, PARTS, PRECISIONS
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from ckpt_tune.api import Settings
-    from ckpt_tune.profiler import StepProfile
+    from ckpt_tune.measure.profiler import StepProfile
+    from ckpt_tune.tune.search import Settings
 
 BASELINE_VERSION = 1
-BREAKDOWN_KEYS = ("params", "grads", "optimizer", "activations", "other")
+BREAKDOWN_KEYS = PARTS
 UPDATE_ENV = "CKPT_TUNE_UPDATE_BASELINES"  # set to 1: assert_peak_within records instead of comparing
 _FLAGS = {  # the command-line option that sets each compared setting, for hints
     "batch_size": "--batch-size",
@@ -203,10 +204,10 @@ def run_check(
     Settings that differ from the baseline's are found before anything is measured (status
     "settings-differ"). Errors while measuring raise CkptTuneError; a corrupt baseline raises BaselineError.
     """
-    from ckpt_tune import api
-    from ckpt_tune.device import resolve_device
+    from ckpt_tune.measure import session
+    from ckpt_tune.measure.device import resolve_device
 
-    settings = settings or api.Settings()
+    settings = settings or session.Settings()
     tol, rtol = parse_percent(tolerance), parse_percent(reserved_tolerance)
     _check_choice("precision", settings.precision, PRECISIONS)
     _check_choice("optimizer", settings.optimizer, OPTIMIZERS)
@@ -248,7 +249,7 @@ def run_check(
                 baseline_created=old.created,
             )
     prof = _measure(
-        lambda: api.profile(
+        lambda: session.profile(
             target,
             batch_size=batch_size,
             settings=replace(settings, device=device),
@@ -808,11 +809,11 @@ def assert_peak_within(
     if update is None:
         update = os.environ.get(UPDATE_ENV, "") not in ("", "0")
     if isinstance(target_or_model, str):
-        from ckpt_tune import api
+        from ckpt_tune.measure import session
 
         if callable(make_batch) or callable(loss_fn):
             raise TypeError("with a target string, make_batch= and loss_fn= are 'file.py:fn' strings")
-        settings = api.Settings(device, precision, optimizer, make_batch, loss_fn)
+        settings = session.Settings(device, precision, optimizer, make_batch, loss_fn)
         if not isinstance(baseline, Baseline):  # what the CLI does: settings checked before measuring
             res = run_check(
                 target_or_model,
@@ -827,7 +828,7 @@ def assert_peak_within(
             return res if update else _assert(res)
         checkpoint = _plan_names(plan)[0]
         prof = _measure(
-            lambda: api.profile(target_or_model, batch_size, settings, checkpoint=checkpoint, scaling=False)
+            lambda: session.profile(target_or_model, batch_size, settings, checkpoint=checkpoint, scaling=False)
         )
     elif isinstance(target_or_model, nn.Module):
         if not callable(make_batch):
@@ -882,10 +883,10 @@ def _assert(res: CheckResult) -> CheckResult:
 def _profile_module(
     model, make_batch, loss_fn, batch_size, device, precision, optimizer, checkpoint
 ) -> StepProfile:
-    from ckpt_tune import loader
-    from ckpt_tune.device import resolve_device
-    from ckpt_tune.profiler import profile_model
-    from ckpt_tune.runner import StepSettings
+    from ckpt_tune.measure import loader
+    from ckpt_tune.measure.device import resolve_device
+    from ckpt_tune.measure.profiler import profile_model
+    from ckpt_tune.measure.runner import StepSettings
 
     _check_choice("precision", precision, PRECISIONS)
     _check_choice("optimizer", optimizer, OPTIMIZERS)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckpt_tune.memory_model import SEGMENT_MEMBER, Terms, pair_index, predict
+from ckpt_tune.tune.memory_model import SEGMENT_MEMBER, Terms, pair_index, predict
 
 FRONT_CAP = 20000  # Pareto points kept per step before thinning (never reached by models of ≤ 200 blocks seen)
 

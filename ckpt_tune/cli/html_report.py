@@ -10,9 +10,9 @@ from __future__ import annotations
 from html import escape
 from pathlib import Path
 
-from ckpt_tune.diagnose import Diagnosis
-from ckpt_tune.oom import OomDiagnosis
-from ckpt_tune.profiler import OUTSIDE
+from ckpt_tune.diagnosis import Diagnosis
+from ckpt_tune.diagnosis.oom import OomDiagnosis
+from ckpt_tune.measure.profiler import OUTSIDE
 from ckpt_tune.units import format_bytes
 
 COLORS = {
@@ -241,7 +241,7 @@ def render_html(d: Diagnosis | None, oom: OomDiagnosis | None = None) -> str:
             chips.append(f"{d.shard} over {d.world_size} GPUs (per-GPU numbers)")
         body.append(f"<h1>ckpt-tune diagnose</h1><div class='sub'>{escape(d.target)}</div>")
         body.append("".join(f"<span class='chip'>{escape(c)}</span>" for c in chips))
-        from ckpt_tune.diagnose import states_exceed_text, summarize
+        from ckpt_tune.diagnosis import states_exceed_text, summarize
 
         body.append(f"<div class='verdict {'good' if d.fits else 'bad'}'>{escape(summarize(d))}</div>")
         if d.states_exceed:

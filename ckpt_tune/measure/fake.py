@@ -43,9 +43,9 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
-from ckpt_tune import loader, timeline
 from ckpt_tune.errors import CkptTuneError
-from ckpt_tune.timeline import Timeline
+from ckpt_tune.measure import loader, timeline
+from ckpt_tune.measure.timeline import Timeline
 
 aten = torch.ops.aten
 

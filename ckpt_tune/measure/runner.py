@@ -21,10 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ckpt_tune import fake
-from ckpt_tune.emit import OPTIMIZERS, PRECISIONS
-from ckpt_tune.errors import CkptTuneError, UserCodeError
-from ckpt_tune.timeline import Recorder, Timeline, mark
+from ckpt_tune import vocab
+from ckpt_tune.errors import UserCodeError
+from ckpt_tune.measure import fake
+from ckpt_tune.measure.timeline import Recorder, Timeline, mark
+from ckpt_tune.plan import apply as plan_apply
 
 SEED = 0
 
@@ -32,8 +33,8 @@ SEED = 0
 @dataclass(frozen=True)
 class StepSettings:
     device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
-    precision: str = "fp32"  # one of PRECISIONS
-    optimizer: str = "adamw"  # one of OPTIMIZERS
+    precision: str = "fp32"  # one of vocab.PRECISIONS
+    optimizer: str = "adamw"  # one of vocab.OPTIMIZERS
     fake_target: str = "cuda"  # device "meta": the allocator the fake timeline mimics ("cuda" or "cpu")
 
 
@@ -100,10 +101,8 @@ class StepRunner:
         loss_fn: Callable[[nn.Module, Any], torch.Tensor],
         settings: StepSettings = StepSettings(),
     ) -> None:
-        if settings.precision not in PRECISIONS:
-            raise CkptTuneError(f"unknown precision {settings.precision!r}", f"use one of {', '.join(PRECISIONS)}")
-        if settings.optimizer not in OPTIMIZERS:
-            raise CkptTuneError(f"unknown optimizer {settings.optimizer!r}", f"use one of {', '.join(OPTIMIZERS)}")
+        vocab.known("precision", settings.precision, vocab.PRECISIONS)
+        vocab.optimizer(settings.optimizer)
         self.model, self.batch_fn, self.loss_fn, self.settings = model, batch_fn, loss_fn, settings
         self.fake = settings.device == "meta"  # fake tensors: the CPU-device graph, nothing allocated
         self.device = torch.device("cpu" if self.fake else settings.device)
@@ -138,7 +137,7 @@ class StepRunner:
         # CUDA's optimizers default to foreach (one temporary per parameter, all at once); fake tensors
         # are CPU tensors, whose default is the per-parameter loop: ask for what the target would run
         foreach = True if self.fake and self.settings.fake_target == "cuda" else None
-        self.optimizer = _make_optimizer(self.settings.optimizer, params, foreach)
+        self.optimizer = vocab.optimizer(self.settings.optimizer).make(params, foreach)
         if self.settings.precision == "fp16-mixed" and not self.fake:  # found_inf.item() is data-dependent
             self.scaler = torch.amp.GradScaler(self.device.type)
         return self
@@ -253,7 +252,7 @@ class StepRunner:
         inst = _Instrument(self.model, names, marked, attribute)
         try:
             if checkpoint:
-                _apply().apply(self.model, list(checkpoint))
+                plan_apply.apply(self.model, list(checkpoint))
             inst.install()
             cuda = self.device.type == "cuda"
             if cuda:
@@ -268,7 +267,7 @@ class StepRunner:
         finally:
             inst.remove()
             if checkpoint:
-                _apply().remove(self.model)
+                plan_apply.remove(self.model)
         tl = rec.timeline
         param_b, opt_b, grads_after = self.state_bytes()
         static = param_b + opt_b
@@ -307,7 +306,7 @@ class StepRunner:
         steps: list[float] = []
         try:
             if checkpoint:
-                _apply().apply(self.model, list(checkpoint))
+                plan_apply.apply(self.model, list(checkpoint))
             clock.install()
             for _ in range(repeats):
                 clock.reset()
@@ -321,7 +320,7 @@ class StepRunner:
         finally:
             clock.remove()
             if checkpoint:
-                _apply().remove(self.model)
+                plan_apply.remove(self.model)
         steps.sort()
         return Timing(batch_size, tuple(checkpoint), steps[len(steps) // 2], dict(clock.best))
 
@@ -372,25 +371,6 @@ def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
         return type(obj)(_cast_floating(v, dtype) for v in obj)
     return obj
-
-
-def _apply():
-    from ckpt_tune import apply  # imported late: apply imports the plan format, which imports nothing of ours
-
-    return apply
-
-
-def _make_optimizer(name: str, params: list[nn.Parameter], foreach: bool | None = None) -> torch.optim.Optimizer | None:
-    # lr=0: the step reads and writes exactly what a real step does, yet p - 0*update == p bit for bit.
-    if name == "none" or not params:
-        return None
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=0.0, foreach=foreach)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=0.0, foreach=foreach)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=0.0, foreach=foreach)
-    return torch.optim.SGD(params, lr=0.0, momentum=0.9, foreach=foreach)
 
 
 class _Instrument:

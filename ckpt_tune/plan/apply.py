@@ -21,9 +21,9 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from ckpt_tune.emit import Entry, Plan, is_entry, load_plan, member_names
 from ckpt_tune.errors import PlanError
-from ckpt_tune.segment import (
+from ckpt_tune.plan.file import Entry, Plan, is_entry, load_plan, member_names
+from ckpt_tune.plan.segment import (
     INNER_ATTR,
     SEGMENT_ATTR,
     SEGMENT_FORWARD,

@@ -11,8 +11,8 @@ from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.table import Table
 
-from ckpt_tune.emit import entry_label, member_names
-from ckpt_tune.profiler import StepProfile
+from ckpt_tune.measure.profiler import StepProfile
+from ckpt_tune.plan.file import entry_label, member_names
 from ckpt_tune.units import format_bytes
 
 err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 120)

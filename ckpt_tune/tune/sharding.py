@@ -23,10 +23,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
+from ckpt_tune import vocab
 from ckpt_tune.errors import CkptTuneError
-from ckpt_tune.memory_model import Terms
+from ckpt_tune.tune.memory_model import Terms
+from ckpt_tune.vocab import SHARDS
 
-SHARDS = ("none", "zero1", "zero2", "zero3", "fsdp")
 # which static parts each stage divides by the world size
 DIVIDES: dict[str, frozenset[str]] = {
     "none": frozenset(),
@@ -41,7 +42,6 @@ PHASES = ("start", "forward", "backward", "step")
 MIN_8BIT_SIZE = 4096
 QUANT_BLOCK = 256
 ABSMAX_BYTES = 4
-STATES_PER_PARAM = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0, "none": 0}
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,7 @@ def eight_bit_state_bytes(numels: Sequence[int], optimizer: str) -> int:
     """Optimizer state bytes of bitsandbytes' 8-bit version of `optimizer` for trainable tensors of these
     sizes: per tensor of n values, `states × (n + 4·ceil(n/256))` bytes, or `states × 4n` below 4096
     values; plus the shared 256-entry fp32 quantization map of each state."""
-    k = STATES_PER_PARAM.get(optimizer, 0)
+    k = vocab.optimizer(optimizer).states_per_param
     if k == 0:
         return 0
     total = 0

@@ -1,6 +1,6 @@
 """`diagnose`: does the step fit, where is its peak, what is live then, and which remedies make it fit.
 
-    from ckpt_tune.diagnose import diagnose
+    from ckpt_tune.diagnosis import diagnose
     d = diagnose("examples/gpt.py:build", vram="6GiB", batch_size=8)
     d.fits, d.peak.where, [(r.title, r.peak_bytes, r.fits) for r in d.remedies]
 
@@ -22,15 +22,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ckpt_tune.device import Budget, parse_budget, resolve_device
+from ckpt_tune import vocab
 from ckpt_tune.errors import CkptTuneError, NoFitError
-from ckpt_tune.memory_model import Terms
-from ckpt_tune.planner import min_peak, solve
-from ckpt_tune.profiler import OUTSIDE, StepProfile, build_profile, module_records, peak_phase
-from ckpt_tune.runner import Measurement, StepRunner, StepSettings
-from ckpt_tune.search import Searcher
-from ckpt_tune.sharding import (
-    STATES_PER_PARAM,
+from ckpt_tune.measure import session
+from ckpt_tune.measure.device import Budget, parse_budget, resolve_device
+from ckpt_tune.measure.profiler import OUTSIDE, StepProfile, build_profile, module_records
+from ckpt_tune.measure.runner import StepRunner, StepSettings
+from ckpt_tune.tune.memory_model import Terms
+from ckpt_tune.tune.moments import moments_of
+from ckpt_tune.tune.planner import min_peak, solve
+from ckpt_tune.tune.searcher import Searcher
+from ckpt_tune.tune.sharding import (
     LoraPlan,
     Moment,
     StaticBytes,
@@ -48,7 +50,7 @@ from ckpt_tune.sharding import (
 from ckpt_tune.units import format_bytes
 
 if TYPE_CHECKING:
-    from ckpt_tune.api import Settings
+    from ckpt_tune.tune.search import Settings
 
 ACCURACY = ("none", "low", "changes what is trained")
 
@@ -123,49 +125,6 @@ def _moment_dict(m: Moment) -> dict[str, Any]:
     d["modules"] = [{"module": n or OUTSIDE, "bytes": b} for n, b in m.modules]
     d["total"] = m.total
     return d
-
-
-# -- moments of a recorded step -------------------------------------------------------------------
-
-
-def moments_of(m: Measurement) -> tuple[Moment, ...]:
-    """The largest moment of each phase of a recorded step, split into the five parts exactly.
-
-    Saved activations and gradients are told apart by allocation: a saved tensor's allocation is the one
-    live at the end of forward, a gradient's the one live at the end of backward (as profiler.live_at_peak).
-    """
-    tl, mk = m.timeline, m.timeline.markers
-    t_iter, t_loss, t_bwd, t_step = (mk[k][0] for k in ("iter", "loss", "backward", "step"))
-    spans: dict[int, list[tuple[int, int, int]]] = {}
-    for ptr, size, t0, t1 in tl.intervals():
-        spans.setdefault(ptr, []).append((t0, t1, size))
-
-    def live(ptr: int, anchor: int, t: int) -> int:
-        return sum(size for t0, t1, size in spans.get(ptr, ()) if t0 <= anchor < t1 and t0 <= t < t1)
-
-    grad_ptrs = set(m.grad_ptrs)
-    static = m.param_bytes + m.optimizer_bytes
-    out = [
-        Moment("start", "start of the iteration (previous gradients still live)", 0.0,
-               m.param_bytes, m.grad_bytes, m.optimizer_bytes, 0, 0),
-    ]
-    for phase, a, b in (("forward", t_iter, t_loss), ("backward", t_loss, t_bwd), ("step", t_bwd, t_step + 1)):
-        top, when = tl.max_between(a, b)
-        by_owner: dict[str, int] = {}
-        for ptr, (_nbytes, owner) in m.saved.items():
-            n = live(ptr, t_loss, when)
-            if n:
-                key = owner if owner is not None else ""
-                by_owner[key] = by_owner.get(key, 0) + n
-        acts = sum(by_owner.values())
-        grads = sum(live(p, t_bwd, when) for p in grad_ptrs)
-        where = peak_phase(replace(m, peak_time=when))
-        out.append(
-            Moment(phase, where, (when - t_iter) / 1e6, m.param_bytes, grads, m.optimizer_bytes, acts,
-                   m.static_bytes + top - static - grads - acts,
-                   tuple(sorted(by_owner.items(), key=lambda kv: -kv[1])))
-        )
-    return tuple(out)
 
 
 # -- LoRA: the adapter used by the prediction, and to apply it for real ------------------------------
@@ -345,19 +304,19 @@ def diagnose(
 ) -> Diagnosis:
     """Measure one step of `target` at `batch_size` against `vram` (per GPU with `world_size`/`shard`),
     and when it does not fit, every remedy's peak, measured where a recorded step can show it."""
-    from ckpt_tune import api
+    from ckpt_tune.measure import session
 
-    settings = settings or api.Settings()
+    settings = settings or session.Settings()
     n, shard = check_shard(world_size, shard)
     if lora_rank < 1:
         raise CkptTuneError(f"--lora-rank must be at least 1, got {lora_rank}", "e.g. --lora-rank 8")
-    t = api.load(target, settings)
+    t = session.load(target, settings)
     device = resolve_device(settings.device)
     budget = parse_budget(vram, device, margin)
-    model, runner, step = api._runner(t, settings)
+    model, runner, step = session.build_runner(t, settings)
     study = _Study(model, runner, step, t.spec, batch_size, budget, n, shard, lora_rank, progress)
     try:
-        _run(api, study, runner)
+        _run(study, runner)
     except CkptTuneError as e:
         if isinstance(e.__cause__, (MemoryError, torch.OutOfMemoryError)):
             # the device cannot hold the step it is asked about: measure where memory is plentiful
@@ -367,8 +326,8 @@ def diagnose(
     return study.result()
 
 
-def _run(api, study: _Study, runner) -> None:
-    with api._user_errors("diagnosing"):
+def _run(study: _Study, runner) -> None:
+    with session.user_errors("diagnosing"):
         with runner:
             study.recording = True
             study.start()
@@ -599,7 +558,7 @@ class _Study:
 
     def eight_bit(self) -> None:
         opt = self.step.optimizer
-        if STATES_PER_PARAM.get(opt, 0) == 0:
+        if vocab.optimizer(opt).eight_bit is None:
             self.notes.append(f"optimizer {opt} keeps no state: an 8-bit optimizer saves nothing")
             return
         trainable = {p.untyped_storage().data_ptr(): p.numel() for p in self.model.parameters() if p.requires_grad}
@@ -607,7 +566,7 @@ class _Study:
         start = self.raw[(self.b, ())][0]
         saved = self.per_gpu(start).optimizer - self.per_gpu(eight_bit_moment(start, new)).optimizer
         pk, names, frac = self.compose(lambda m: eight_bit_moment(m, new), lambda t: replace(t, static=t.static - saved, measured={}))
-        name = {"adamw": "AdamW8bit", "adam": "Adam8bit", "sgd-momentum": "SGD8bit"}[opt]
+        name = vocab.optimizer(opt).eight_bit
         title = f"8-bit optimizer state (bitsandbytes.optim.{name})"
         if names:
             title += f" + checkpoint {self._ckpt_label(names)}"
@@ -652,7 +611,7 @@ class _Study:
             "lora", title, pk.total, pk.total <= self.usable, basis, pk.where, gpus=self.n,
             time_overhead=round(frac, 4), accuracy="changes what is trained", keeps_setup=False,
             cost=f"trains {format_bytes(plan.adapter_param_bytes)} of adapters instead of {format_bytes(plan.trainable_param_bytes)}",
-            assumes="ckpt_tune.diagnose.apply_lora: adapters on the named layers, every other parameter frozen" + check,
+            assumes="ckpt_tune.diagnosis.apply_lora: adapters on the named layers, every other parameter frozen" + check,
             config={"lora_rank": plan.rank, "adapted": list(plan.adapted), "checkpoint": list(names),
                     "alone_measured_bytes": alone.total if alone is not None else None,
                     "alone_arithmetic_bytes": estimate.total},

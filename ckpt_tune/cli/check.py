@@ -4,9 +4,6 @@ Thin like every command: parse → `check.run_check` → render (stderr) → JSO
 the error family (RegressionError 3, BaselineError 1), which cli.main turns into one line.
 """
 
-# No `from __future__ import annotations`: the option types are imported inside `register` (so this
-# module can be imported while cli.py is still loading) and typer must see them as real objects.
-
 from pathlib import Path
 from typing import Annotated
 
@@ -14,8 +11,22 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ckpt_tune.check import percent, show_setting
-from ckpt_tune.emit import member_names
+from ckpt_tune.cli import options
+from ckpt_tune.cli.options import (
+    Attn,
+    BatchFn,
+    BatchSize,
+    Device,
+    HfConfig,
+    Json,
+    LossFn,
+    Optim,
+    Precision,
+    SeqLen,
+    TargetArg,
+)
+from ckpt_tune.gate import percent, show_setting
+from ckpt_tune.plan.file import member_names
 from ckpt_tune.units import format_bytes
 
 _PART_LABELS = {
@@ -29,74 +40,55 @@ _PART_LABELS = {
 }
 
 
-def register(app: typer.Typer) -> None:
-    """Add the `check` command to `app` (ckpt_tune.cli's)."""
-    from ckpt_tune.cli import (
-        Attn,
-        BatchFn,
-        BatchSize,
-        Device,
-        HfConfig,
-        Json,
-        LossFn,
-        Optim,
-        Precision,
-        SeqLen,
-        TargetArg,
-        _print_json,
-        _settings,
-    )
+def check(
+    target: TargetArg = None,
+    baseline: Annotated[
+        Path, typer.Option("--baseline", help="baseline YAML; written when missing or with --update")
+    ] = ...,
+    tolerance: Annotated[
+        str, typer.Option(help="allowed growth of the peak over the baseline, e.g. 5% or 0.05")
+    ] = "5%",
+    reserved_tolerance: Annotated[
+        str, typer.Option("--reserved-tolerance", help="allowed growth of CUDA reserved bytes")
+    ] = "10%",
+    update: Annotated[
+        bool, typer.Option("--update", help="measure and overwrite the baseline (exit 0)")
+    ] = False,
+    batch_size: BatchSize = 8,
+    plan: Annotated[
+        Path | None, typer.Option("--plan", help="measure with this plan's checkpointing applied")
+    ] = None,
+    device: Device = None,
+    precision: Precision = "fp32",
+    optimizer: Optim = "adamw",
+    batch_fn: BatchFn = None,
+    loss_fn: LossFn = None,
+    hf_config: HfConfig = None,
+    seq_len: SeqLen = 512,
+    attn: Attn = "sdpa",
+    top: Annotated[int, typer.Option(help="rows in the module diff")] = 10,
+    as_json: Json = False,
+) -> None:
+    """Fail (exit 3) when the step's peak memory grew past a stored baseline; record one if missing."""
+    from ckpt_tune import gate as ck
+    from ckpt_tune.cli import render as report
 
-    @app.command()
-    def check(
-        target: TargetArg = None,
-        baseline: Annotated[
-            Path, typer.Option("--baseline", help="baseline YAML; written when missing or with --update")
-        ] = ...,
-        tolerance: Annotated[
-            str, typer.Option(help="allowed growth of the peak over the baseline, e.g. 5% or 0.05")
-        ] = "5%",
-        reserved_tolerance: Annotated[
-            str, typer.Option("--reserved-tolerance", help="allowed growth of CUDA reserved bytes")
-        ] = "10%",
-        update: Annotated[
-            bool, typer.Option("--update", help="measure and overwrite the baseline (exit 0)")
-        ] = False,
-        batch_size: BatchSize = 8,
-        plan: Annotated[
-            Path | None, typer.Option("--plan", help="measure with this plan's checkpointing applied")
-        ] = None,
-        device: Device = None,
-        precision: Precision = "fp32",
-        optimizer: Optim = "adamw",
-        batch_fn: BatchFn = None,
-        loss_fn: LossFn = None,
-        hf_config: HfConfig = None,
-        seq_len: SeqLen = 512,
-        attn: Attn = "sdpa",
-        top: Annotated[int, typer.Option(help="rows in the module diff")] = 10,
-        as_json: Json = False,
-    ) -> None:
-        """Fail (exit 3) when the step's peak memory grew past a stored baseline; record one if missing."""
-        from ckpt_tune import check as ck
-        from ckpt_tune import report
-
-        settings = _settings(device, precision, optimizer, batch_fn, loss_fn, hf_config, seq_len, attn)
-        with report.progress("measuring") as _:
-            result = ck.run_check(
-                target,
-                baseline,
-                tolerance=tolerance,
-                reserved_tolerance=reserved_tolerance,
-                update=update,
-                batch_size=batch_size,
-                settings=settings,
-                plan=plan,
-            )
-        render_check(result, top=top)
-        if as_json:
-            _print_json(result.to_dict())
-        ck.raise_for_status(result)
+    settings = options.settings(device, precision, optimizer, batch_fn, loss_fn, hf_config, seq_len, attn)
+    with report.progress("measuring") as _:
+        result = ck.run_check(
+            target,
+            baseline,
+            tolerance=tolerance,
+            reserved_tolerance=reserved_tolerance,
+            update=update,
+            batch_size=batch_size,
+            settings=settings,
+            plan=plan,
+        )
+    render_check(result, top=top)
+    if as_json:
+        options.print_json(result.to_dict())
+    ck.raise_for_status(result)
 
 
 def _signed(n: int | None) -> str:
@@ -211,7 +203,7 @@ def _module_table(result, top: int) -> Table:
 
 def render_check(result, top: int = 10) -> None:
     """The check result on stderr: settings, peak and static parts, the module diff, the verdict."""
-    from ckpt_tune.report import err
+    from ckpt_tune.cli.render import err
 
     s = result.settings
     against = f" against {result.baseline_path}" if result.baseline_peak_bytes is not None else ""

@@ -19,9 +19,11 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from ckpt_tune.emit import member_names
 from ckpt_tune.errors import NoFitError, UserCodeError
-from ckpt_tune.memory_model import (
+from ckpt_tune.measure.runner import StepRunner, unique_bytes
+from ckpt_tune.plan.file import member_names
+from ckpt_tune.plan.segment import available as segment_available
+from ckpt_tune.tune.memory_model import (
     SegmentTerms,
     Terms,
     combine,
@@ -33,10 +35,8 @@ from ckpt_tune.memory_model import (
     segment_terms,
     segments_of,
 )
-from ckpt_tune.planner import Solution, min_peak, solve
-from ckpt_tune.runner import StepRunner, unique_bytes
-from ckpt_tune.segment import available as segment_available
-from ckpt_tune.sharding import check_shard, peak_of, per_gpu_terms, shard_moment, static_per_gpu
+from ckpt_tune.tune.planner import Solution, min_peak, solve
+from ckpt_tune.tune.sharding import check_shard, peak_of, per_gpu_terms, shard_moment, static_per_gpu
 from ckpt_tune.units import format_bytes
 
 MAX_BATCH = 1 << 16
@@ -306,7 +306,7 @@ class Searcher:
         if self.world_size == 1:
             return m.peak_bytes
         # a sharded step cannot run here: its recorded single-GPU moments, sharded by arithmetic
-        from ckpt_tune.diagnose import moments_of
+        from ckpt_tune.tune.moments import moments_of
 
         moments = (shard_moment(x, self.world_size, self.shard, self.gathered_bytes()) for x in moments_of(m))
         return peak_of(moments).total

@@ -4,9 +4,6 @@ Thin like every command: parse → `diagnose.diagnose` / `oom.diagnose_oom` → 
 JSON (stdout) → exit code through the error family (NoFitError 3), which cli.main turns into one line.
 """
 
-# No `from __future__ import annotations`: the option types are imported inside `register` (so this
-# module can be imported while cli.py is still loading) and typer must see them as real objects.
-
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -16,93 +13,83 @@ from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
-from ckpt_tune.units import format_bytes
-
-_PARTS = (
-    ("params", "weights + buffers"),
-    ("grads", "gradients"),
-    ("optimizer", "optimizer state"),
-    ("activations", "saved activations"),
-    ("other", "batch, logits/loss, temporaries"),
+from ckpt_tune.cli import options
+from ckpt_tune.cli.options import (
+    Attn,
+    BatchFn,
+    BatchSize,
+    Device,
+    HfConfig,
+    Json,
+    LossFn,
+    Margin,
+    Optim,
+    Precision,
+    SeqLen,
+    TargetArg,
 )
+from ckpt_tune.units import format_bytes
+from ckpt_tune.vocab import Part
+
+_PARTS = tuple((p.value, p.label) for p in Part)
 
 
-def register(app: typer.Typer) -> None:
-    """Add the `diagnose` command to `app` (ckpt_tune.cli's)."""
-    from ckpt_tune.cli import (
-        Attn,
-        BatchFn,
-        BatchSize,
-        Device,
-        HfConfig,
-        Json,
-        LossFn,
-        Margin,
-        Optim,
-        Precision,
-        SeqLen,
-        TargetArg,
-        _print_json,
-        _settings,
-    )
+def diagnose(
+    target: TargetArg = None,
+    vram: Annotated[
+        str | None,
+        typer.Option(help="budget: 24GB (read as GiB), 24GiB, 24000MiB, bytes, or auto; with --oom-message, defaults to its GPU's capacity"),
+    ] = None,
+    batch_size: BatchSize = 8,
+    device: Device = None,
+    precision: Precision = "fp32",
+    optimizer: Optim = "adamw",
+    margin: Margin = None,
+    batch_fn: BatchFn = None,
+    loss_fn: LossFn = None,
+    hf_config: HfConfig = None,
+    seq_len: SeqLen = 512,
+    attn: Attn = "sdpa",
+    world_size: Annotated[int | None, typer.Option("--world-size", min=1, help="plan per GPU for a sharded run over N GPUs")] = None,
+    shard: Annotated[str | None, typer.Option(help="zero1 | zero2 | zero3 | fsdp (with --world-size)")] = None,
+    lora_rank: Annotated[int, typer.Option("--lora-rank", min=1, help="rank of the LoRA remedy's adapters")] = 8,
+    oom_message: Annotated[
+        str | None, typer.Option("--oom-message", help="a file holding PyTorch's out-of-memory message, or - for stdin")
+    ] = None,
+    report_path: Annotated[Path | None, typer.Option("--report", help="write a self-contained HTML report here")] = None,
+    as_json: Json = False,
+) -> None:
+    """Why the step runs out of memory, where its peak is, and the remedies ranked by what fits and what it costs."""
+    from ckpt_tune.cli import render as report
+    from ckpt_tune.diagnosis.oom import diagnose_oom
 
-    @app.command()
-    def diagnose(
-        target: TargetArg = None,
-        vram: Annotated[
-            str | None,
-            typer.Option(help="budget: 24GB (read as GiB), 24GiB, 24000MiB, bytes, or auto; with --oom-message, defaults to its GPU's capacity"),
-        ] = None,
-        batch_size: BatchSize = 8,
-        device: Device = None,
-        precision: Precision = "fp32",
-        optimizer: Optim = "adamw",
-        margin: Margin = None,
-        batch_fn: BatchFn = None,
-        loss_fn: LossFn = None,
-        hf_config: HfConfig = None,
-        seq_len: SeqLen = 512,
-        attn: Attn = "sdpa",
-        world_size: Annotated[int | None, typer.Option("--world-size", min=1, help="plan per GPU for a sharded run over N GPUs")] = None,
-        shard: Annotated[str | None, typer.Option(help="zero1 | zero2 | zero3 | fsdp (with --world-size)")] = None,
-        lora_rank: Annotated[int, typer.Option("--lora-rank", min=1, help="rank of the LoRA remedy's adapters")] = 8,
-        oom_message: Annotated[
-            str | None, typer.Option("--oom-message", help="a file holding PyTorch's out-of-memory message, or - for stdin")
-        ] = None,
-        report_path: Annotated[Path | None, typer.Option("--report", help="write a self-contained HTML report here")] = None,
-        as_json: Json = False,
-    ) -> None:
-        """Why the step runs out of memory, where its peak is, and the remedies ranked by what fits and what it costs."""
-        from ckpt_tune import report
-        from ckpt_tune.oom import diagnose_oom
+    oom = None
+    if oom_message is not None:
+        text = sys.stdin.read() if oom_message == "-" else _read(oom_message)
+        oom = diagnose_oom(text)
+        render_oom(oom)
+    if target is None and hf_config is None:
+        if oom is None:
+            raise typer.BadParameter("give TARGET (or --hf-config) with --vram, or --oom-message FILE", param_hint="TARGET")
+        _finish(None, oom, report_path, as_json, options.print_json)
+        return
+    if vram is None:
+        if oom is None:
+            raise typer.BadParameter("--vram is required (e.g. --vram 24GB)", param_hint="--vram")
+        vram = str(oom.message.total)
+        report.err.print(f"budget: the GPU's capacity from the OOM message, {format_bytes(oom.message.total)}")
+    from ckpt_tune.diagnosis import diagnose as run
+    from ckpt_tune.diagnosis import no_fit_error
 
-        oom = None
-        if oom_message is not None:
-            text = sys.stdin.read() if oom_message == "-" else _read(oom_message)
-            oom = diagnose_oom(text)
-            render_oom(oom)
-        if target is None and hf_config is None:
-            if oom is None:
-                raise typer.BadParameter("give TARGET (or --hf-config) with --vram, or --oom-message FILE", param_hint="TARGET")
-            _finish(None, oom, report_path, as_json, _print_json)
-            return
-        if vram is None:
-            if oom is None:
-                raise typer.BadParameter("--vram is required (e.g. --vram 24GB)", param_hint="--vram")
-            vram = str(oom.message.total)
-            report.err.print(f"budget: the GPU's capacity from the OOM message, {format_bytes(oom.message.total)}")
-        from ckpt_tune.diagnose import diagnose as run
-        from ckpt_tune.diagnose import no_fit_error
-
-        settings = _settings(device, precision, optimizer, batch_fn, loss_fn, hf_config, seq_len, attn)
-        with report.progress("diagnosing") as update:
-            d = run(target, vram, batch_size=batch_size, margin=margin, settings=settings, world_size=world_size,
-                    shard=shard, lora_rank=lora_rank, progress=update)
-        render_diagnosis(d)
-        _finish(d, oom, report_path, as_json, _print_json)
-        err = no_fit_error(d)
-        if err is not None:
-            raise err
+    settings = options.settings(device, precision, optimizer, batch_fn, loss_fn, hf_config, seq_len, attn)
+    with report.progress("diagnosing") as update:
+        d = run(target, vram, batch_size=batch_size, margin=margin, settings=settings, world_size=world_size,
+                shard=shard, lora_rank=lora_rank, progress=update)
+    render_diagnosis(d)
+    _finish(d, oom, report_path, as_json, options.print_json)
+    err = no_fit_error(d)
+    if err is not None:
+        raise err
 
 
 def _read(path: str) -> str:
@@ -115,10 +102,10 @@ def _read(path: str) -> str:
 
 
 def _finish(d, oom, report_path, as_json, print_json) -> None:
-    from ckpt_tune import report
+    from ckpt_tune.cli import render as report
 
     if report_path is not None:
-        from ckpt_tune.html_report import write_html
+        from ckpt_tune.cli.html_report import write_html
 
         write_html(report_path, d, oom)
         report.err.print(f"report written to {escape(str(report_path))}")
@@ -134,7 +121,7 @@ def _pct(part: int, whole: int) -> str:
 
 
 def render_oom(o) -> None:
-    from ckpt_tune import report
+    from ckpt_tune.cli import render as report
 
     m = o.message
     color = "yellow" if o.cause == "fragmentation" else "red"
@@ -146,8 +133,8 @@ def render_oom(o) -> None:
 
 def render_diagnosis(d) -> None:
     """Verdict, states against the budget, the moments, what is live at the peak, the ranked remedies."""
-    from ckpt_tune import report
-    from ckpt_tune.diagnose import states_exceed_text, summarize
+    from ckpt_tune.cli import render as report
+    from ckpt_tune.diagnosis import states_exceed_text, summarize
 
     err = report.err
     b = d.budget
@@ -204,7 +191,7 @@ def peak_panel(d, top: int = 8) -> Panel:
     mods.add_column("module")
     mods.add_column("live", justify="right")
     mods.add_column("of the peak", justify="right")
-    from ckpt_tune.profiler import OUTSIDE
+    from ckpt_tune.measure.profiler import OUTSIDE
 
     for name, n in p.modules[:top]:
         mods.add_row(escape(name or OUTSIDE), format_bytes(n), _pct(n, p.total))

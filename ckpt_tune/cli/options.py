@@ -1,0 +1,48 @@
+"""The options every command shares, named once: typer annotations, the settings they build, JSON out."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+
+# Nothing here imports torch: `ckpt-tune --help` stays fast. Settings and rendering load on use.
+
+TargetArg = Annotated[str | None, typer.Argument(help="path/to/file.py:fn or package.module:fn; fn() returns the model")]
+Device = Annotated[str | None, typer.Option(help="cpu | cuda | cuda:N | meta (default: cuda if available, else cpu)")]
+Precision = Annotated[str, typer.Option(help="fp32 | bf16-mixed | fp16-mixed | bf16")]
+Optim = Annotated[str, typer.Option("--optimizer", help="adamw | adam | sgd | sgd-momentum | none")]
+BatchFn = Annotated[str | None, typer.Option("--batch-fn", help="make_batch override, file.py:fn")]
+LossFn = Annotated[str | None, typer.Option("--loss-fn", help="loss_fn override, file.py:fn")]
+HfConfig = Annotated[str | None, typer.Option("--hf-config", help="build a Hugging Face causal LM from this config.json")]
+SeqLen = Annotated[int, typer.Option("--seq-len", help="sequence length of the --hf-config batch")]
+Attn = Annotated[str, typer.Option("--attn", help="attention kernel for --hf-config: sdpa | eager | flash")]
+Json = Annotated[bool, typer.Option("--json", help="print the result as JSON on stdout")]
+BatchSize = Annotated[int, typer.Option("--batch-size", "-b", min=1, help="micro-batch size")]
+Margin = Annotated[str | None, typer.Option(help="held back from the budget: 5% or 512MiB (default 5% on cuda, 0 on cpu)")]
+
+
+def settings(device, precision, optimizer, batch_fn, loss_fn, hf_config, seq_len, attn):
+    """The Settings of measure/session.py from the shared options."""
+    from ckpt_tune.measure.session import Settings
+
+    return Settings(device, precision, optimizer, batch_fn, loss_fn, hf_config, seq_len, attn)
+
+
+def say_attention(hf_config, attn: str, seq_len: int) -> None:
+    """The attention kernel changes activation memory by O(T) vs O(T²) per head: say which was modelled."""
+    if hf_config:
+        from ckpt_tune.cli import render
+
+        if attn == "eager":
+            what = "the eager path, which saves the T×T attention matrix per head"
+        else:
+            what = (f"{attn}: flash-style kernels save O(T) per head, but with attention dropout or an explicit "
+                    "mask sdpa falls back to the math path (T×T); the numbers above are the kernel this device ran")
+        render.err.print(f"attention at sequence {seq_len}: {what}")
+
+
+def print_json(obj) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")

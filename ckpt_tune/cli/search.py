@@ -1,0 +1,82 @@
+"""`ckpt-tune search`: the largest batch that fits, the cheapest verified plan, its YAML and patch."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ckpt_tune.cli import options
+from ckpt_tune.cli.options import (
+    Attn,
+    BatchFn,
+    Device,
+    HfConfig,
+    Json,
+    LossFn,
+    Margin,
+    Optim,
+    Precision,
+    SeqLen,
+    TargetArg,
+)
+
+
+def search(
+    target: TargetArg = None,
+    vram: Annotated[str, typer.Option(help="budget: 24GB (read as GiB), 24GiB, 24000MiB, bytes, or auto")] = "auto",
+    batch_size: Annotated[int | None, typer.Option("--batch-size", "-b", min=1, help="fix the micro-batch; find the cheapest plan")] = None,
+    target_batch: Annotated[int | None, typer.Option("--target-batch", min=1, help="wanted effective batch: micro-batch × accumulation")] = None,
+    device: Device = None,
+    precision: Precision = "fp32",
+    optimizer: Optim = "adamw",
+    margin: Margin = None,
+    batch_fn: BatchFn = None,
+    loss_fn: LossFn = None,
+    hf_config: HfConfig = None,
+    seq_len: SeqLen = 512,
+    attn: Attn = "sdpa",
+    world_size: Annotated[int, typer.Option("--world-size", min=1, help="GPUs of a sharded data-parallel run: plan per GPU")] = 1,
+    shard: Annotated[str, typer.Option("--shard", help="none | zero1 | zero2 | zero3 | fsdp: what is divided by --world-size")] = "none",
+    segments: Annotated[bool, typer.Option("--segments/--no-segments", help="also plan runs of consecutive blocks under one checkpoint (--no-segments: one checkpoint per module, e.g. for FSDP wrapped per block)")] = True,
+    out: Annotated[Path | None, typer.Option("--out", help="write the plan YAML here")] = None,
+    patch: Annotated[Path | None, typer.Option("--patch", help="write the patch snippet here")] = None,
+    as_json: Json = False,
+) -> None:
+    """The largest batch that fits VRAM and the cheapest verified checkpoint plan that reaches it."""
+    from ckpt_tune.cli import render as report
+    from ckpt_tune.plan.file import plan_to_yaml, write_plan
+    from ckpt_tune.plan.patch import patch_snippet
+    from ckpt_tune.tune import search as search_api
+
+    settings = options.settings(device, precision, optimizer, batch_fn, loss_fn, hf_config, seq_len, attn)
+    t0 = time.perf_counter()
+    with report.progress("searching") as update:
+        outcome = search_api.search(target, vram, batch_size=batch_size, target_batch=target_batch, margin=margin,
+                             settings=settings, progress=update, world_size=world_size, shard=shard, segments=segments)
+    elapsed = time.perf_counter() - t0
+    plan_yaml = plan_to_yaml(outcome.plan)
+    snippet = patch_snippet(outcome.plan, hf=outcome.is_hf)
+    report.render_search(outcome, plan_yaml, snippet, elapsed)
+    options.say_attention(hf_config, attn, seq_len)
+    if out:
+        write_plan(outcome.plan, out)
+        report.err.print(f"plan written to {out}")
+    if patch:
+        patch.write_text(snippet)
+        report.err.print(f"patch written to {patch}")
+    if as_json:
+        res = outcome.result
+        options.print_json({
+            "plan": asdict(outcome.plan),
+            "budget": asdict(outcome.budget),
+            "frontier": [asdict(r) for r in res.frontier],
+            "baselines": {k: asdict(v) for k, v in res.baselines.items()},
+            "candidates": list(res.units),
+            "recorded_steps": res.probes,
+            "elapsed_s": round(elapsed, 2),
+            "notes": res.notes,
+        })

@@ -1,0 +1,109 @@
+"""One session with the user's training step: settings, the loaded target, the runner that records it.
+
+Every command starts here: `load` resolves the target (a file/module function or an --hf-config),
+`build_runner` builds the model on the device (or under fake tensors for `--device meta`) and the
+`StepRunner` that measures its iterations, and `user_errors` turns an exception raised inside the
+user's code into one clear error. `profile` is the library call behind `ckpt-tune profile`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ckpt_tune.errors import CkptTuneError, UserCodeError
+from ckpt_tune.measure import loader
+from ckpt_tune.measure.device import resolve_device
+from ckpt_tune.measure.profiler import StepProfile, profile_model
+from ckpt_tune.measure.runner import StepRunner, StepSettings
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How the target is loaded and the iteration is run (the options shared by all commands)."""
+
+    device: str | None = None  # None/"auto": cuda when available, else cpu
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    batch_fn: str | None = None  # --batch-fn override, "file.py:fn"
+    loss_fn: str | None = None  # --loss-fn override
+    hf_config: str | None = None  # --hf-config config.json: build a Hugging Face causal LM from it
+    seq_len: int = 512  # --seq-len for --hf-config
+    attn: str = "sdpa"  # --attn for --hf-config
+
+
+def load(target: str | None, settings: Settings) -> loader.Target:
+    if settings.hf_config:
+        from ckpt_tune.measure.hf import load_hf_target
+
+        return load_hf_target(settings.hf_config, seq_len=settings.seq_len, attn=settings.attn)
+    if not target:
+        raise CkptTuneError("no target given", "pass TARGET as path/to/file.py:fn or package.module:fn, or --hf-config")
+    return loader.load_target(target, batch_fn=settings.batch_fn, loss_fn=settings.loss_fn)
+
+
+@contextlib.contextmanager
+def user_errors(what: str) -> Iterator[None]:
+    """Errors raised from inside the user's model during a step become one clear UserCodeError."""
+    try:
+        yield
+    except CkptTuneError:
+        raise
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        raise CkptTuneError(
+            f"{what} ran out of memory: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+            "use a smaller --batch-size, or profile a smaller configuration with --device meta",
+        ) from e
+    except Exception as e:
+        msg = str(e).splitlines()[0] if str(e) else ""
+        raise UserCodeError(
+            f"the training step raised {type(e).__name__}: {msg}",
+            "run the step by hand to debug it, or rerun with --debug for the full traceback",
+        ) from e
+
+
+def build_runner(target: loader.Target, settings: Settings) -> tuple[nn.Module, StepRunner, StepSettings]:
+    device = resolve_device(settings.device)
+    step = StepSettings(device=device, precision=settings.precision, optimizer=settings.optimizer)
+    if device == "meta":  # fake tensors: nothing is allocated; the CUDA allocator's rounding is modelled
+        from ckpt_tune.measure import fake
+
+        model = fake.build_fake_model(target)
+        batch_fn = fake.fake_batch_fn(target, "cpu")
+    else:
+        model = loader.build_model(target)
+        with user_errors("moving the model"):
+            model.to(device)
+
+        def batch_fn(b):
+            return loader.make_batch(target, b, device)
+
+    runner = StepRunner(model, batch_fn, lambda m, batch: loader.compute_loss(target, m, batch), step)
+    return model, runner, step
+
+
+def profile(
+    target: str | None,
+    batch_size: int = 8,
+    settings: Settings = Settings(),
+    checkpoint: tuple[str, ...] = (),
+    scaling: bool = True,
+) -> StepProfile:
+    """Profile one training iteration of the target at `batch_size`."""
+    t = load(target, settings)
+    model, runner, step = build_runner(t, settings)
+    with user_errors("profiling"):
+        return profile_model(
+            model,
+            runner.batch_fn,
+            runner.loss_fn,
+            batch_size=batch_size,
+            settings=step,
+            target=t.spec,
+            scaling=scaling,
+            checkpoint=checkpoint,
+        )

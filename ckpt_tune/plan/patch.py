@@ -1,0 +1,153 @@
+"""The patch snippet: Python source a user pastes after building the model, torch only.
+
+It checkpoints the plan's entries exactly as `ckpt_tune.apply` does (plan/apply.py), with the same
+attribute names, so `applied_names` and `remove` recognise modules wrapped by either. Segments embed
+plan/segment.py verbatim.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+from ckpt_tune.plan import segment
+from ckpt_tune.plan.file import Entry, Plan
+from ckpt_tune.units import format_bytes
+
+# The wrapper of the patch snippet: the same logic, names and guards as ckpt_tune/apply.py (tests run
+# both on the same models and compare every gradient), written with torch alone.
+_SNIPPET_WRAPPER = """
+import types
+
+import torch
+import torch.utils.checkpoint
+
+CKPT_MODULES = {names}
+
+
+def _ckpt_forward(self, *args, **kwargs):
+    # Checkpoint the module's own forward; its hooks (FSDP's too) stay outside and run once.
+    inner = self.__dict__.get("_ckpt_inner_forward") or types.MethodType(type(self).forward, self)
+    if not (self.training and torch.is_grad_enabled()):
+        return inner(*args, **kwargs)
+    calls = []
+
+    def run(*a):
+        calls.append(None)
+        if len(calls) == 1:
+            return inner(*a, **kwargs)
+        # Recompute in backward: BatchNorm would update its running stats a second time
+        # (pytorch#96136). Let it update throwaway copies; its output is bit-for-bit the same.
+        norms = [m for m in self.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)]
+        kept = [(m, k, b) for m in norms for k, b in m._buffers.items() if b is not None]
+        for m, k, b in kept:
+            m._buffers[k] = b.clone()
+        try:
+            return inner(*a, **kwargs)
+        finally:
+            for m, k, b in kept:
+                m._buffers[k] = b
+
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
+
+
+def {plain_name}(model):
+    for m in model.modules():  # Hugging Face: the recompute would fill the KV cache twice
+        if getattr(getattr(m, "config", None), "use_cache", None) is True:
+            m.config.use_cache = False
+    for name in CKPT_MODULES:
+{segment_branch}
+        module = model.get_submodule(name)
+        own = module.__dict__.get("forward")
+        if getattr(own, "__name__", None) == "_ckpt_forward":
+            continue  # already wrapped
+        if own is not None:
+            module._ckpt_inner_forward = own
+        module.forward = types.MethodType(_ckpt_forward, module)
+    return model
+"""
+
+_SNIPPET_SEGMENT_BRANCH = """        if not isinstance(name, str):  # a segment: these consecutive blocks under one checkpoint
+            if getattr(model.get_submodule(name[0]).__dict__.get("forward"), "__name__", None) != SEGMENT_FORWARD:
+                checkpoint_segment(model, list(name))
+            continue
+"""
+
+# Hugging Face form: transformers' own per-layer switch (GradientCheckpointingLayer.gradient_checkpointing,
+# transformers >= 4.52), falling back to the plain wrapper when a planned module is not such a layer.
+_SNIPPET_HF = """
+
+def apply_checkpointing(model):
+    layers = {name: model.get_submodule(name) for name in CKPT_MODULES}
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # transformers < 4.52: no per-layer switch
+        return _apply_plain(model)
+    norm = torch.nn.modules.batchnorm._NormBase
+    if not all(
+        isinstance(m, GradientCheckpointingLayer) and not any(isinstance(s, norm) for s in m.modules())
+        for m in layers.values()
+    ):
+        return _apply_plain(model)
+    # transformers 5 renamed gradient_checkpointing_enable (now a deprecated alias) to this
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable({"use_reentrant": False})  # every layer on, non-reentrant (preserves the RNG state)
+    model.config.use_cache = False
+    for name, m in model.named_modules():  # then only the planned layers stay on
+        if isinstance(m, GradientCheckpointingLayer):
+            m.gradient_checkpointing = name in layers
+    return model
+"""
+
+
+def patch_snippet(plan: Plan, *, hf: bool = False) -> str:
+    """Python source to paste into a training script after the model is built: it checkpoints the
+    plan's modules exactly as `ckpt_tune.apply` does, with torch only (no ckpt_tune import).
+
+    `hf=True` uses Hugging Face's per-layer switch when every planned module is a
+    GradientCheckpointingLayer, and the plain wrapper otherwise.
+    """
+    per_step = plan.batch_size * plan.grad_accum_steps
+    budget = "" if plan.budget_bytes is None else f" of a {format_bytes(plan.budget_bytes)} budget"
+    verified = (
+        "not verified by running it"
+        if plan.verified_peak_bytes is None
+        else f"verified by running it: {format_bytes(plan.verified_peak_bytes)}"
+    )
+    header = [
+        f"# ckpt-tune plan for {plan.target} ({plan.device}, {plan.precision}, optimizer {plan.optimizer})",
+        f"# Use micro-batch size {plan.batch_size} with {plan.grad_accum_steps} gradient-accumulation step(s)"
+        f" ({per_step} samples per optimizer step).",
+        f"# Predicted peak {format_bytes(plan.predicted_peak_bytes)}{budget} ({verified}).",
+        f"# Recompute adds about {plan.predicted_recompute_fraction:.1%} to the step time.",
+        "# Paste after building `model`, before creating the optimizer and before FSDP / torch.compile.",
+    ]
+    segments = any(not isinstance(e, str) for e in plan.checkpoint)
+    hf = hf and not segments  # Hugging Face's per-layer switch cannot checkpoint several layers as one
+
+    def literal(e: Entry) -> str:  # json.dumps writes a valid Python string literal for any name
+        return json.dumps(e) if isinstance(e, str) else "(" + ", ".join(json.dumps(n) for n in e) + ")"
+
+    names = (
+        "["
+        + "".join(f"\n    {literal(e)}," for e in plan.checkpoint)
+        + ("\n]" if plan.checkpoint else "]")
+    )
+    body = _SNIPPET_WRAPPER.replace("{names}", names).replace(
+        "{plain_name}", "_apply_plain" if hf else "apply_checkpointing"
+    )
+    body = body.replace("{segment_branch}\n", _SNIPPET_SEGMENT_BRANCH if segments else "")
+    if segments:
+        body = _segment_source() + body
+    if hf:
+        body += _SNIPPET_HF
+    return "\n".join(header) + "\n" + body + "\n\nmodel = apply_checkpointing(model)\n"
+
+
+def _segment_source() -> str:
+    """ckpt_tune/segment.py as snippet code: its docstring as comments, no `from __future__`."""
+    text = inspect.getsource(segment)
+    doc = segment.__doc__ or ""
+    body = text.split('"""', 2)[2].replace("from __future__ import annotations\n", "")
+    comment = "\n".join(("# " + line).rstrip() for line in doc.strip().splitlines())
+    return "\n# Segments: consecutive blocks under one checkpoint (ckpt_tune/segment.py, verbatim).\n" + comment + "\n" + body

@@ -1,0 +1,115 @@
+"""`search`: the largest batch that fits a budget, with the cheapest verified checkpoint plan.
+
+The library call behind `ckpt-tune search`: load the target, record and solve with `Searcher`
+(searcher.py), turn an effective batch into micro-batch × accumulation, and return the plan.
+
+    import ckpt_tune
+    outcome = ckpt_tune.search("examples/gpt.py:build", vram="600MiB")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from torch import nn
+
+from ckpt_tune.errors import NoFitError
+from ckpt_tune.measure.device import Budget, parse_budget, resolve_device
+from ckpt_tune.measure.session import Settings, build_runner, load, user_errors
+from ckpt_tune.plan.file import Plan
+from ckpt_tune.tune.searcher import Searcher, SearchResult, find_blocks
+
+
+@dataclass(frozen=True)
+class SearchOutcome:
+    plan: Plan
+    result: SearchResult
+    budget: Budget
+    is_hf: bool
+    target_batch: int | None = None
+    world_size: int = 1  # > 1: every byte figure is per GPU of a sharded run
+    shard: str = "none"
+
+
+def search(
+    target: str | None,
+    vram: str,
+    batch_size: int | None = None,
+    target_batch: int | None = None,
+    margin: str | None = None,
+    settings: Settings = Settings(),
+    progress: Callable[[str], None] | None = None,
+    world_size: int = 1,
+    shard: str = "none",
+    segments: bool = True,
+) -> SearchOutcome:
+    """Largest batch (or the given one) that fits `vram`, with the cheapest verified checkpoint plan.
+
+    `segments`: also consider runs of consecutive blocks under one checkpoint (ckpt_tune/segment.py)."""
+    t = load(target, settings)
+    device = resolve_device(settings.device)
+    # --device meta sizes a CUDA step: hold back the CUDA context and margin as on a GPU
+    budget = parse_budget(vram, "cuda" if device == "meta" else device, margin)
+    _model, runner, step = build_runner(t, settings)
+    with user_errors("searching"), runner:
+        searcher = Searcher(runner, progress=progress, world_size=world_size, shard=shard, segments=segments)
+        fixed = batch_size
+        if target_batch is not None and batch_size is None:
+            fixed = None
+        res = searcher.search(budget.usable_bytes, batch_size=fixed)
+        if target_batch is not None:
+            res = _fit_target_batch(searcher, res, target_batch, budget.usable_bytes)
+        b1, b2 = 1, 4
+        sizes = sorted({b1, b2, max(1, res.batch_size // 2), res.batch_size, res.batch_size + 1})
+        res.frontier = searcher.frontier(budget.usable_bytes, sizes, b1, b2, res.batch_size)
+        res.frontier = [
+            r if r.batch_size != res.batch_size else replace(r, plan=res.checkpoint, predicted_peak=res.predicted_peak, recompute_fraction=res.recompute_fraction)
+            for r in res.frontier
+        ]
+    plan = Plan(
+        target=t.spec,
+        device=device,
+        precision=step.precision,
+        optimizer=step.optimizer,
+        budget_bytes=budget.usable_bytes,
+        batch_size=res.batch_size,
+        grad_accum_steps=res.grad_accum_steps,
+        checkpoint=res.checkpoint,
+        predicted_peak_bytes=res.predicted_peak,
+        predicted_recompute_fraction=res.recompute_fraction,
+        verified_peak_bytes=res.verified_peak,
+    )
+    return SearchOutcome(plan, res, budget, t.is_hf, target_batch, searcher.world_size, searcher.shard)
+
+
+def _fit_target_batch(searcher: Searcher, res: SearchResult, want: int, budget: int) -> SearchResult:
+    """Turn a wanted effective batch into micro-batch × accumulation steps, micro-batch ≤ what fits."""
+    if want <= res.batch_size:
+        if want == res.batch_size:
+            return res
+        res = searcher.search(budget, batch_size=want)
+        res.notes.append(f"effective batch {want} fits as one micro-batch")
+        return res
+    # from the second micro-batch on every gradient is live: the micro-batch that fits alone may not
+    steps = -(-want // res.batch_size)
+    while True:
+        while want % steps:
+            steps += 1
+        micro = want // steps
+        searcher.accum_steps = steps
+        try:
+            out = searcher.search(budget, batch_size=micro)
+            break
+        except NoFitError:
+            if micro == 1:
+                raise
+            steps += 1
+    out.grad_accum_steps = steps
+    out.notes.append(f"effective batch {want} = micro-batch {micro} × {steps} accumulation steps")
+    return out
+
+
+def blocks(model: nn.Module) -> list[str]:
+    """The checkpoint candidates search would consider for `model`."""
+    return find_blocks(model)

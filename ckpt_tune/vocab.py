@@ -1,0 +1,123 @@
+"""The words every layer shares, named once: precisions, devices, sharding strategies, optimizers, and
+the five parts of a step's memory. An unknown name is a `CkptTuneError` that lists the known ones.
+
+Nothing here imports torch at module level: the CLI's `--help` and the pure core stay light.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from ckpt_tune.errors import CkptTuneError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
+DEVICES = ("cpu", "cuda", "meta")  # device kinds a plan or baseline may record
+SHARDS = ("none", "zero1", "zero2", "zero3", "fsdp")
+
+
+def known(kind: str, value: Any, choices: Sequence[str], flag: str | None = None) -> str:
+    """`value` if it is one of `choices`, else a CkptTuneError naming `kind` and the closest choice."""
+    if isinstance(value, str) and value in choices:
+        return value
+    close = difflib.get_close_matches(str(value), choices, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"use one of {', '.join(choices)}"
+    raise CkptTuneError(f"unknown {flag or kind} {value!r}: {kind} is one of {', '.join(choices)}", hint)
+
+
+# -- optimizers --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """One optimizer the tool can run and price.
+
+    Attributes:
+        name: the name users pass (`--optimizer`, the plan file's `optimizer`).
+        states_per_param: full-size state tensors kept per trainable parameter (AdamW: exp_avg and
+            exp_avg_sq = 2; SGD with momentum: the momentum buffer = 1).
+        eight_bit: the bitsandbytes class that keeps the same states in 8 bits, or None.
+        build: (params, foreach) -> torch optimizer, lr=0 so the step reads and writes exactly what a
+            real step does while p - 0·update == p bit for bit; None for "none".
+    """
+
+    name: str
+    states_per_param: int
+    eight_bit: str | None
+    build: Callable[[list, bool | None], torch.optim.Optimizer] | None
+
+    def make(self, params: list, foreach: bool | None = None) -> torch.optim.Optimizer | None:
+        return None if self.build is None or not params else self.build(params, foreach)
+
+
+def _adamw(params, foreach):
+    import torch
+
+    return torch.optim.AdamW(params, lr=0.0, foreach=foreach)
+
+
+def _adam(params, foreach):
+    import torch
+
+    return torch.optim.Adam(params, lr=0.0, foreach=foreach)
+
+
+def _sgd(params, foreach):
+    import torch
+
+    return torch.optim.SGD(params, lr=0.0, foreach=foreach)
+
+
+def _sgd_momentum(params, foreach):
+    import torch
+
+    return torch.optim.SGD(params, lr=0.0, momentum=0.9, foreach=foreach)
+
+
+_OPTIMIZER_LIST = (
+    Optimizer("adamw", 2, "AdamW8bit", _adamw),
+    Optimizer("adam", 2, "Adam8bit", _adam),
+    Optimizer("sgd", 0, None, _sgd),
+    Optimizer("sgd-momentum", 1, "SGD8bit", _sgd_momentum),
+    Optimizer("none", 0, None, None),
+)
+OPTIMIZER_REGISTRY: dict[str, Optimizer] = {o.name: o for o in _OPTIMIZER_LIST}
+OPTIMIZERS = tuple(OPTIMIZER_REGISTRY)
+
+
+def optimizer(name: str) -> Optimizer:
+    """The registered optimizer `name`; an unknown name is an error, never a silent fallback."""
+    return OPTIMIZER_REGISTRY[known("optimizer", name, OPTIMIZERS)]
+
+
+# -- the five parts of a step's memory ----------------------------------------------------------------
+
+
+class Part(str, Enum):
+    """What a live byte is, at any moment of the iteration. Every breakdown sums these five."""
+
+    PARAMS = "params"
+    GRADS = "grads"
+    OPTIMIZER = "optimizer"
+    ACTIVATIONS = "activations"
+    OTHER = "other"
+
+    @property
+    def label(self) -> str:
+        return _PART_LABELS[self]
+
+
+_PART_LABELS = {
+    Part.PARAMS: "weights + buffers",
+    Part.GRADS: "gradients",
+    Part.OPTIMIZER: "optimizer state",
+    Part.ACTIVATIONS: "saved activations",
+    Part.OTHER: "batch, logits/loss, temporaries",
+}
+PARTS = tuple(p.value for p in Part)
