@@ -22,6 +22,7 @@ demo: $(STAMP)
 	$(BIN)/ckpt-tune search examples/gpt.py:build --device cpu --vram 160MiB --out ckpt_tune.yaml --patch ckpt_tune_patch.py
 
 test: $(STAMP)
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)

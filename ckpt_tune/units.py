@@ -70,3 +70,11 @@ def parse_percent(text: str | float | int) -> float:
             hint=f"write {value:g}% for {value:g} percent, or {value / 100:g} as a fraction",
         )
     return value
+
+
+def format_percent(fraction: float, digits: int = 1, signed: bool = False) -> str:
+    """A fraction for people: 0.125 -> "12.5%"; `signed` -> "+12.5%"; `digits=None`-like exactness with
+    `digits=-1`: as the user wrote it, up to 4 significant digits (0.05 -> "5%", 0.125 -> "12.5%")."""
+    if digits < 0:
+        return f"{'+' if signed and fraction > 0 else ''}{100 * fraction:.4g}%"
+    return f"{fraction:+.{digits}%}" if signed else f"{fraction:.{digits}%}"
