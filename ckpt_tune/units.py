@@ -1,7 +1,7 @@
 """Byte counts and percentages as people read and write them.
 
 Bytes are `int` everywhere in the package and are formatted only for display, in binary units: device
-memory is sized in powers of two, and a "24 GB" card holds about 24 GiB (DESIGN.md §2).
+memory is sized in powers of two, and a "24 GB" card holds about 24 GiB (docs/design.md §2).
 """
 
 from __future__ import annotations

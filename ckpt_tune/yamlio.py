@@ -35,13 +35,16 @@ def flow_name(name: str) -> str:
     return name if plain else json.dumps(name)
 
 
-def line(key: str, value: str, comment: str | None = None, indent: int = 0) -> str:
+def line(
+    key: str, value: str, comment: str | None = None, indent: int = 0, column: int = COMMENT_COLUMN
+) -> str:
     """`key: value  # comment`. `value` is YAML text already (see `scalar`); "" opens a nested block.
 
     The space before "#" is what makes it a comment: "12# x" would read back as the string "12# x".
+    `column`: where comments start, for a file whose layout was fixed before this module (baselines).
     """
     text = f"{' ' * indent}{key}: {value}" if value else f"{' ' * indent}{key}:"
-    return f"{text.ljust(COMMENT_COLUMN - 1)} # {comment}" if comment else text
+    return f"{text.ljust(column - 1)} # {comment}" if comment else text
 
 
 def parse(text: str, where: str, error: type[CkptTuneError], hint: str | None = None) -> Any:
@@ -54,15 +57,22 @@ def parse(text: str, where: str, error: type[CkptTuneError], hint: str | None = 
         raise error(f"{where} is not valid YAML{at}: {getattr(exc, 'problem', None) or exc}", hint=hint) from exc
 
 
-def read(path: str | Path, where: str, error: type[CkptTuneError], hint: str | None = None) -> Any:
-    """The parsed YAML of a file, or `error` saying why it cannot be read."""
+def read(
+    path: str | Path,
+    where: str,
+    error: type[CkptTuneError],
+    hint: str | None = None,
+    invalid_hint: str | None = None,
+) -> Any:
+    """The parsed YAML of a file, or `error` saying why it cannot be read (with `hint`) or parsed
+    (with `invalid_hint`)."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise error(f"cannot read {where}: {exc.strerror or exc}", hint=hint) from exc
     except UnicodeDecodeError as exc:
         raise error(f"{where} is not text: {exc.reason}") from exc
-    return parse(text, where, error)
+    return parse(text, where, error, invalid_hint)
 
 
 def write(path: str | Path, text: str, what: str, error: type[CkptTuneError], mkdir: bool = False) -> Path:

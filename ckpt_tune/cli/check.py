@@ -25,9 +25,9 @@ from ckpt_tune.cli.options import (
     SeqLen,
     TargetArg,
 )
-from ckpt_tune.gate import percent, show_setting
-from ckpt_tune.plan.file import member_names
-from ckpt_tune.units import format_bytes
+from ckpt_tune.gate import change_percent, show_setting, signed_bytes
+from ckpt_tune.plan.entry import member_names
+from ckpt_tune.units import format_bytes, format_percent
 
 _PART_LABELS = {
     "param_bytes": "parameters + buffers",
@@ -91,33 +91,23 @@ def check(
     ck.raise_for_status(result)
 
 
-def _signed(n: int | None) -> str:
-    if n is None:
-        return ""
-    return ("+" if n > 0 else "") + format_bytes(n)
-
-
-def _pct(fraction: float | None) -> str:
-    return "" if fraction is None else f"{fraction:+.1%}"
-
-
 def _fmt(n: int | None) -> str:
     return "-" if n is None else format_bytes(n)
 
 
 def _verdict(result) -> str:
-    tol = percent(result.tolerance)
+    tol = format_percent(result.tolerance, digits=-1)
     s = result.status
     if s == "regressed":
         return "[bold red]REGRESSED[/bold red]: " + escape("; ".join(result.reasons))
     if s == "improved":
         return (
             f"[bold green]improved[/bold green]: the peak fell by more than {tol} "
-            f"({_signed(result.delta_bytes)}); record it with --update so the gate tightens"
+            f"({signed_bytes(result.delta_bytes)}); record it with --update so the gate tightens"
         )
     if s == "pass":
         hint = "; a smaller peak can be recorded with --update" if (result.delta_bytes or 0) < 0 else ""
-        return f"[bold green]pass[/bold green]: peak within {tol} of the baseline ({_signed(result.delta_bytes)}){hint}"
+        return f"[bold green]pass[/bold green]: peak within {tol} of the baseline ({signed_bytes(result.delta_bytes)}){hint}"
     if s == "settings-differ":
         return "[bold red]settings differ[/bold red]: nothing was measured; the baseline's settings are needed for a fair comparison"
     rec = result.recorded
@@ -147,9 +137,9 @@ def _peak_table(result) -> Table:
         "peak",
         _fmt(base),
         _fmt(result.peak_bytes),
-        _signed(result.delta_bytes),
-        _pct(result.delta_bytes / base if base and result.delta_bytes is not None else None),
-        f"{_fmt(result.limit_bytes)} (+{percent(result.tolerance)})"
+        signed_bytes(result.delta_bytes),
+        change_percent(result.delta_bytes / base if base and result.delta_bytes is not None else None),
+        f"{_fmt(result.limit_bytes)} (+{format_percent(result.tolerance, digits=-1)})"
         if result.limit_bytes is not None
         else "",
     )
@@ -160,9 +150,9 @@ def _peak_table(result) -> Table:
             "CUDA reserved",
             _fmt(rb),
             _fmt(rn),
-            _signed(d),
-            _pct(d / rb if d is not None and rb else None),
-            f"{_fmt(result.reserved_limit_bytes)} (+{percent(result.reserved_tolerance)})"
+            signed_bytes(d),
+            change_percent(d / rb if d is not None and rb else None),
+            f"{_fmt(result.reserved_limit_bytes)} (+{format_percent(result.reserved_tolerance, digits=-1)})"
             if result.reserved_limit_bytes is not None
             else "",
         )
@@ -172,8 +162,8 @@ def _peak_table(result) -> Table:
                 _PART_LABELS[r.name],
                 _fmt(r.before),
                 _fmt(r.after),
-                _signed(r.delta) if r.delta else "",
-                _pct(r.fraction) if r.delta else "",
+                signed_bytes(r.delta) if r.delta else "",
+                change_percent(r.fraction) if r.delta else "",
                 "",
             )
     return t
@@ -192,8 +182,8 @@ def _module_table(result, top: int) -> Table:
                 escape(r.name or "(root)") + tag,
                 _fmt(r.before),
                 _fmt(r.after),
-                _signed(r.delta),
-                _pct(r.fraction),
+                signed_bytes(r.delta),
+                change_percent(r.fraction),
             )
     hidden = max(0, len(grew) - top) + max(0, len(shrank) - top)
     if hidden:
@@ -234,7 +224,7 @@ def render_check(result, top: int = 10) -> None:
         ):
             rows = [r for r in result.modules if r.kind == kind]
             if rows:
-                names = ", ".join(f"{r.name or '(root)'} {_signed(r.delta)}" for r in rows[:top])
+                names = ", ".join(f"{r.name or '(root)'} {signed_bytes(r.delta)}" for r in rows[:top])
                 more = f", and {len(rows) - top} more" if len(rows) > top else ""
                 err.print(f"{label}: {escape(names)}{more}")
     for w in result.warnings:

@@ -28,7 +28,7 @@ from ckpt_tune.cli.options import (
     SeqLen,
     TargetArg,
 )
-from ckpt_tune.units import format_bytes
+from ckpt_tune.units import format_bytes, format_percent
 from ckpt_tune.vocab import Part
 
 _PARTS = tuple((p.value, p.label) for p in Part)
@@ -117,7 +117,7 @@ def _finish(d, oom, report_path, as_json, print_json) -> None:
 
 
 def _pct(part: int, whole: int) -> str:
-    return f"{100 * part / whole:.1f}%" if whole else "-"
+    return format_percent(part / whole) if whole else "-"
 
 
 def render_oom(o) -> None:
@@ -149,7 +149,7 @@ def render_diagnosis(d) -> None:
         err.print(
             f"[bold red]even {escape(d.floor.title)} the step peaks at {format_bytes(d.floor.peak_bytes)}[/bold red] "
             f"({escape(d.floor.peak_where)}) against a {format_bytes(b.usable_bytes)} budget; weights + gradients + "
-            f"optimizer state are {format_bytes(d.states.params + d.states.grads + d.states.optimizer)} of it"
+            f"optimizer state are {format_bytes(d.states_bytes)} of it"
         )
     color = "green" if d.fits else "red"
     err.print(f"[bold {color}]{escape(summarize(d))}[/bold {color}]")

@@ -14,21 +14,17 @@ from ckpt_tune.diagnosis import Diagnosis
 from ckpt_tune.diagnosis.oom import OomDiagnosis
 from ckpt_tune.measure.profiler import OUTSIDE
 from ckpt_tune.units import format_bytes
+from ckpt_tune.vocab import Part
 
 COLORS = {
-    "params": "#4c78a8",
-    "grads": "#f58518",
-    "optimizer": "#e45756",
-    "activations": "#54a24b",
-    "other": "#b279a2",
+    Part.PARAMS.value: "#4c78a8",
+    Part.GRADS.value: "#f58518",
+    Part.OPTIMIZER.value: "#e45756",
+    Part.ACTIVATIONS.value: "#54a24b",
+    Part.OTHER.value: "#b279a2",
 }
-LABELS = {
-    "params": "weights + buffers",
-    "grads": "gradients",
-    "optimizer": "optimizer state",
-    "activations": "saved activations",
-    "other": "batch, logits, temporaries",
-}
+# the parts' labels, "other" shortened to fit the peak callout's two columns
+LABELS = {p.value: p.label for p in Part} | {Part.OTHER.value: "batch, logits, temporaries"}
 HALO = ' stroke="#ffffff" stroke-width="3" paint-order="stroke"'  # text stays readable over the curve
 PHASE_FILL = {"make_batch": "#eeeeee", "forward + loss": "#e3eefa", "backward": "#fdecd9", "optimizer step": "#e5f3e1"}
 

@@ -1,0 +1,305 @@
+"""The remedies, each built from a `Study`: measured (checkpoint plans, smaller micro-batches, bf16
+autocast, LoRA: recorded steps with the remedy applied) or predicted by arithmetic on measured moments
+(8-bit optimizer, activation offload, sharding: tune/sharding.py). Each returns its Remedy, or None with
+a note on the study when it does not apply."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from torch import nn
+
+from ckpt_tune import vocab
+from ckpt_tune.diagnosis.lora import lora_applied, lora_plan
+from ckpt_tune.diagnosis.result import Remedy
+from ckpt_tune.diagnosis.study import Names, Study
+from ckpt_tune.measure.runner import StepRunner, StepSettings
+from ckpt_tune.plan.entry import to_data
+from ckpt_tune.tune.moments import moments_of
+from ckpt_tune.tune.planner import Solution, min_peak
+from ckpt_tune.tune.sharding import (
+    LoraPlan,
+    Moment,
+    accumulate_moment,
+    eight_bit_moment,
+    eight_bit_state_bytes,
+    lora_moment,
+    offload_moment,
+    peak_of,
+    per_gpu_terms,
+    shard_moment,
+)
+from ckpt_tune.tune.verify import plan_and_verify
+from ckpt_tune.units import format_bytes, format_percent
+
+PCIE_BYTES_PER_S = 25e9  # PCIe 4.0 x16, one direction, as measured by bandwidthTest on pinned memory
+WORLD_SIZES = (2, 4, 8, 16, 32, 64)
+SHARD_NAME = {"zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "FSDP / ZeRO-3", "fsdp": "FSDP"}
+SHARD_WHAT = {
+    "zero1": "optimizer state",
+    "zero2": "optimizer state and gradients",
+    "zero3": "parameters, gradients and optimizer state",
+    "fsdp": "parameters, gradients and optimizer state",
+}
+
+
+def single_gpu_remedies(study: Study) -> None:
+    """Every remedy recorded with the study's own runner (open), in order; sharding only for one GPU today."""
+    basis = "measured" if study.n == 1 else "measured + arithmetic"
+    if study.units:
+        study.add(checkpoint(study, basis))
+    study.floor = floor(study, basis)
+    study.add(micro_batch(study), eight_bit(study), offload(study))
+    if study.n == 1:
+        study.add(*sharding(study))
+    if study.units:  # recorded now, while the searcher's runner is open: LoRA's estimate composes with it
+        study.moments(study.b, study.min_plan()[0])
+
+
+def checkpoint(study: Study, basis: str) -> Remedy:
+    names, cost, pk = study.fit_plan(study.b)
+    frac = cost / study.step_ms()
+    shown = ": " + ", ".join(e.label for e in names) if 0 < len(names) <= 4 else ""
+    return Remedy(
+        "checkpoint", f"checkpoint {study.ckpt_label(names)}{shown}", pk.total, pk.total <= study.usable, basis,
+        pk.where, gpus=study.n, time_overhead=round(frac, 4),
+        cost=f"recompute: {format_percent(frac, 0, signed=True)} step time",
+        assumes="non-reentrant torch.utils.checkpoint on the named blocks (ckpt_tune.apply); placement by the exact planner",
+        config={"checkpoint": to_data(names), "batch_size": study.b},
+    )
+
+
+def floor(study: Study, basis: str) -> Remedy:
+    """The smallest peak at batch 1: with the smallest-peak checkpoint plan where there are blocks."""
+    if study.units:
+        mp = min_peak(study.terms(1), study.searcher.costs(1))
+        names = study.names(mp.choice)
+        title = f"with {study.ckpt_label(names)} checkpointed at batch 1"
+    else:
+        names, title = (), "at batch 1"
+    pk = study.peak(study.moments(1, names))
+    return Remedy("floor", title, pk.total, pk.total <= study.usable, basis, pk.where, gpus=study.n,
+                  config={"checkpoint": to_data(names), "batch_size": 1})
+
+
+def micro_batch(study: Study) -> Remedy | None:
+    b = study.b
+    if b == 1:
+        study.notes.append("batch 1 already: no smaller micro-batch")
+        return None
+    acc = lambda m: accumulate_moment(m, study.prof.grad_bytes, study.in_flight)  # noqa: E731
+    chosen: tuple[int, Names, float, Moment] | None = None
+    for mb in [d for d in range(b - 1, 0, -1) if b % d == 0][:6]:
+        chosen = (mb, (), 0.0, study.peak(study.moments(mb), acc))
+        if chosen[3].total <= study.usable:
+            break
+    else:
+        if study.units:
+            names, cost, pk = study.fit_plan(1, accumulate=True)
+            if pk.total <= study.usable:
+                chosen = (1, names, cost, pk)
+    assert chosen is not None
+    mb, names, _cost, pk = chosen
+    k = b // mb
+    # timed back to back (the same machine load for both), the micro-step with its plan applied
+    t_b = study.runner.time_step(b, repeats=3).step_ms
+    t_m = study.runner.time_step(mb, checkpoint=list(names), repeats=3).step_ms
+    overhead = max(0.0, k * t_m / t_b - 1)
+    bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in study.model.modules())
+    title = f"micro-batch {mb} × {k} accumulation steps (effective batch {b})"
+    if names:
+        title += f" + checkpoint {study.ckpt_label(names)}"
+    return Remedy(
+        "micro-batch", title, pk.total, pk.total <= study.usable, "measured + arithmetic", pk.where, gpus=study.n,
+        time_overhead=round(overhead, 4), accuracy="low" if bn else "none",
+        cost=f"{k} sequential micro-steps: {format_percent(overhead, 0, signed=True)} step time (timed here)"
+        + ("; BatchNorm statistics over micro-batches" if bn else ""),
+        assumes="a recorded step at the micro-batch, plus the gradients summed so far live through every "
+        "later micro-step's forward and backward (added in place; one layer's new gradients in flight)",
+        config={"batch_size": mb, "grad_accum_steps": k, "checkpoint": to_data(names)},
+    )
+
+
+def eight_bit(study: Study) -> Remedy | None:
+    opt = vocab.optimizer(study.step.optimizer)
+    if opt.states_per_param == 0:
+        study.notes.append(f"optimizer {opt.name} keeps no state: an 8-bit optimizer saves nothing")
+        return None
+    if opt.eight_bit is None:
+        study.notes.append(f"optimizer {opt.name} has no 8-bit version in bitsandbytes: not considered")
+        return None
+    trainable = {p.untyped_storage().data_ptr(): p.numel() for p in study.model.parameters() if p.requires_grad}
+    new = eight_bit_state_bytes(list(trainable.values()), opt.name)
+    start = study.raw[(study.b, ())][0]
+    saved = study.per_gpu(start).optimizer - study.per_gpu(eight_bit_moment(start, new)).optimizer
+    pk, names, frac = study.compose(
+        lambda m: eight_bit_moment(m, new), lambda t: replace(t, static=t.static - saved, measured={})
+    )
+    cls = f"bitsandbytes.optim.{opt.eight_bit}"
+    title = f"8-bit optimizer state ({cls})"
+    if names:
+        title += f" + checkpoint {study.ckpt_label(names)}"
+    return Remedy(
+        "8bit-optimizer", title, pk.total, pk.total <= study.usable, "predicted (arithmetic)", pk.where, gpus=study.n,
+        time_overhead=round(frac, 4), accuracy="low", keeps_setup=False,
+        cost=f"optimizer state {format_bytes(study.prof.optimizer_bytes)} → {format_bytes(new)}; quantized moments",
+        assumes="bitsandbytes' layout: 1 byte per state value and an fp32 absmax per 256; tensors under 4096 "
+        "values keep 32-bit state; the step's scratch as measured for torch's optimizer",
+        config={"optimizer": cls, "optimizer_bytes": new, "checkpoint": to_data(names)},
+    )
+
+
+def offload(study: Study) -> Remedy:
+    prof = study.prof
+    rec = {r.name: r for r in prof.modules}
+    work = max([rec[u].subtree_activation_bytes for u in study.units if u in rec]
+               or [r.activation_bytes for r in prof.modules] or [0])
+    pk = study.peak(study.moments(study.b), lambda m: offload_moment(m, work))
+    moved = prof.activation_total_bytes
+    ms = 2 * moved / PCIE_BYTES_PER_S * 1e3
+    return Remedy(
+        "offload", "offload saved activations to CPU memory (torch.autograd.graph.save_on_cpu(pin_memory=True))",
+        pk.total, pk.total <= study.usable, "predicted (arithmetic)", pk.where, gpus=study.n, time_overhead=None,
+        cost=f"{format_bytes(moved)} to the host and back each step: ≈{ms:.1f} ms at 25 GB/s, hidden only behind enough compute",
+        assumes=f"the GPU keeps one block's saved activations ({format_bytes(work)}) at a time; not measurable "
+        "on CPU, where host and device memory are the same",
+        config={"working_set_bytes": work, "host_bytes": moved},
+    )
+
+
+def sharding(study: Study) -> list[Remedy]:
+    """ZeRO-1, ZeRO-2 and ZeRO-3 each at the fewest GPUs that fit (with the cheapest plan that then fits)."""
+    return [_shard(study, stage) for stage in ("zero1", "zero2", "zero3")]
+
+
+def _shard(study: Study, stage: str) -> Remedy:
+    base = study.moments(study.b)
+
+    def at(raws, n: int) -> Moment:
+        return peak_of(shard_moment(m, n, stage, study.gathered) for m in raws)
+
+    found: tuple[int, Moment, Names, float] | None = None
+    for n in WORLD_SIZES:
+        pk = at(base, n)
+        if pk.total <= study.usable:
+            found = (n, pk, (), 0.0)
+            break
+        if not study.units:
+            continue
+        names, cost = study.min_plan()
+        smallest = at(study.moments(study.b, names), n)
+        if smallest.total <= study.usable:  # some plan fits at this world size: take the cheapest
+            cheap = study.cheapest_plan(
+                lambda m, n=n: shard_moment(m, n, stage, study.gathered),
+                lambda t, n=n: per_gpu_terms(t, study.prof.param_bytes, study.prof.optimizer_bytes, n, stage, study.gathered),
+            )
+            found = (n, *cheap) if cheap is not None else (n, smallest, names, cost / study.step_ms())
+            break
+    if found is None:
+        found = (WORLD_SIZES[-1], at(base, WORLD_SIZES[-1]), (), 0.0)
+    n, pk, names, frac = found
+    what = SHARD_WHAT[stage]
+    title = f"{SHARD_NAME[stage]} over {n} GPUs: {what} divided by {n}"
+    if names:
+        title += f" + checkpoint {study.ckpt_label(names)}"
+    gathered = f"; plus one block's full parameters ({format_bytes(study.gathered)}) while it runs" if stage == "zero3" else ""
+    return Remedy(
+        stage, title, pk.total, pk.total <= study.usable, "predicted (arithmetic)", pk.where, gpus=n,
+        time_overhead=round(frac, 4), keeps_setup=False,
+        cost=f"{n} GPUs ({n - 1} more); collectives every step",
+        assumes=f"data parallel, the same micro-batch on each GPU; {what} divided by {n}{gathered}; "
+        "communication buffers not counted",
+        config={"world_size": n, "shard": stage, "checkpoint": to_data(names)},
+    )
+
+
+# -- remedies that run the step under other settings, each with its own runner -------------------------
+
+
+def mixed_precision(study: Study) -> Remedy | None:
+    step = study.step
+    if step.precision != "fp32":
+        study.notes.append(f"precision is {step.precision} already: no autocast remedy")
+        return None
+    settings = StepSettings(step.device, "bf16-mixed", step.optimizer)
+    study.say("recording with bf16 autocast")
+    with StepRunner(study.model, study.runner.batch_fn, study.runner.loss_fn, settings) as r:
+        pk = study.peak(moments_of(r.measure(study.b, attribute=True)))
+    return Remedy(
+        "mixed-precision", "bf16 autocast (--precision bf16-mixed; fp16-mixed saves the same, with a GradScaler)",
+        pk.total, pk.total <= study.usable, "measured" if study.n == 1 else "measured + arithmetic", pk.where,
+        gpus=study.n, accuracy="low", cost="bf16 matmuls and saved activations; usually faster on tensor-core GPUs",
+        assumes="torch.autocast: fp32 weights, gradients and optimizer state kept",
+        config={"precision": "bf16-mixed"},
+    )
+
+
+def lora(study: Study) -> Remedy | None:
+    """Measured with the adapters applied (lora_applied), alone or with the smallest-peak checkpoint
+    plan when only that fits; the arithmetic estimate (sharding.lora_moment) is kept beside it."""
+    plan = lora_plan(study.model, study.prof, study.units, study.lora_rank)
+    if plan is None or not plan.trainable_param_bytes:
+        study.notes.append("no Linear layers to adapt: LoRA not considered")
+        return None
+    fn = lambda m: lora_moment(m, plan)  # noqa: E731
+    estimate = study.peak(study.moments(study.b), fn)  # arithmetic, LoRA alone: shown beside the record
+    basis, alone = ("measured" if study.n == 1 else "measured + arithmetic"), None
+    try:
+        pk = alone = _lora_peak(study, plan, ())
+        names, frac = (), 0.0
+        if pk.total > study.usable and study.units:
+            found = _lora_with_plan(study, plan)
+            if found is not None:
+                pk, names, frac = found
+    except Exception as e:  # a model whose code reads the wrapped layers' attributes directly
+        (pk, names, frac), basis = study.compose(fn), "predicted (arithmetic)"
+        study.notes.append(f"LoRA could not be applied for a recorded step ({type(e).__name__}: {e}); arithmetic estimate shown")
+    where = " of the blocks" if study.units else ""
+    title = f"LoRA rank {plan.rank} on {len(plan.adapted)} Linear layers{where}, everything else frozen"
+    if names:
+        title += f" + checkpoint {study.ckpt_label(names)}"
+    check = (
+        f"; without checkpointing it records {format_bytes(alone.total)} against {format_bytes(estimate.total)} "
+        "estimated by arithmetic (sharding.lora_moment)" if alone is not None else ""
+    )
+    return Remedy(
+        "lora", title, pk.total, pk.total <= study.usable, basis, pk.where, gpus=study.n,
+        time_overhead=round(frac, 4), accuracy="changes what is trained", keeps_setup=False,
+        cost=f"trains {format_bytes(plan.adapter_param_bytes)} of adapters instead of {format_bytes(plan.trainable_param_bytes)}",
+        assumes="ckpt_tune.diagnosis.apply_lora: adapters on the named layers, every other parameter frozen" + check,
+        config={"lora_rank": plan.rank, "adapted": list(plan.adapted), "checkpoint": to_data(names),
+                "alone_measured_bytes": alone.total if alone is not None else None,
+                "alone_arithmetic_bytes": estimate.total},
+    )
+
+
+def _lora_with_plan(study: Study, plan: LoraPlan) -> tuple[Moment, Names, float] | None:
+    """The cheapest checkpoint plan that fits with the adapters: planned on terms whose static part
+    loses the frozen weights' optimizer state (gradients are left in: the safe side), each candidate
+    recorded with the adapters applied; else the smallest-peak plan if that fits."""
+    start = study.raw[(study.b, ())][0]
+    before, after = study.per_gpu(start), study.per_gpu(lora_moment(start, plan))
+    saved = before.params + before.optimizer - after.params - after.optimizer
+    terms, costs = replace(study.terms(study.b), measured={}), study.searcher.costs(study.b)
+    terms = replace(terms, static=terms.static - saved)
+    step = study.step_ms()
+
+    def run(sol: Solution) -> tuple[int, tuple[Names, Moment]]:
+        names = study.names(sol.choice)
+        pk = _lora_peak(study, plan, names)
+        return pk.total, (names, pk)
+
+    found = plan_and_verify(terms, costs, study.usable, run)
+    if found is not None:
+        sol, (names, pk) = found
+        return pk, names, sol.cost / step
+    names, cost = study.min_plan()
+    pk = _lora_peak(study, plan, names)
+    return (pk, names, cost / step) if pk.total <= study.usable else None
+
+
+def _lora_peak(study: Study, plan: LoraPlan, names: Names) -> Moment:
+    study.say("recording with LoRA adapters" + (f", {len(names)} blocks checkpointed" if names else ""))
+    runner = study.runner
+    with lora_applied(study.model, plan.rank, plan.adapted), StepRunner(study.model, runner.batch_fn, runner.loss_fn, study.step) as r:
+        return study.peak(moments_of(r.measure(study.b, checkpoint=list(names), attribute=True)))

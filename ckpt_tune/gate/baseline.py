@@ -1,0 +1,329 @@
+"""What a check records and reports: the data types, and the baseline file in and out.
+
+A baseline (YAML, `write_baseline` / `load_baseline`) holds the peak, the breakdown at the peak, the
+whole-step static parts and each module's activation bytes, with the settings it was measured under.
+The file goes through the package's YAML codec (yamlio.py): written line by line with a comment on
+each number for people, read with `yaml.safe_load`, every field checked with the file and the field
+named in the error. No torch here.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckpt_tune import yamlio
+from ckpt_tune.errors import BaselineError, PlanError, RegressionError
+from ckpt_tune.plan.entry import Entry
+from ckpt_tune.units import format_bytes
+from ckpt_tune.vocab import OPTIMIZERS, PARTS, PRECISIONS
+
+if TYPE_CHECKING:
+    from ckpt_tune.measure.profiler import StepProfile
+
+BASELINE_VERSION = 1
+BREAKDOWN_KEYS = PARTS
+# Baseline files put their comments two columns right of plan files' (yamlio.COMMENT_COLUMN): the
+# layout predates the shared codec, and committed baselines should not change when re-recorded.
+COMMENT_COLUMN = 40
+
+
+@dataclass(frozen=True)
+class CheckSettings:
+    """What a baseline was measured under; a check under other settings would compare apples and pears."""
+
+    batch_size: int  # micro-batch of the measured iteration
+    precision: str  # one of PRECISIONS
+    optimizer: str  # one of OPTIMIZERS (its state is part of the peak)
+    device: str  # "cpu", "cuda", "cuda:N", "meta"; compared by kind, so cuda:0 matches cuda:1
+    checkpoint: tuple[str, ...] = ()  # modules checkpointed by the --plan; () without one
+    seq_len: int | None = None  # --hf-config targets only: the sequence length of the batch
+    attn: str | None = None  # --hf-config targets only: the attention kernel
+
+
+@dataclass(frozen=True)
+class Baseline:
+    target: str  # the target string it was measured from (informational: a rename is no failure)
+    settings: CheckSettings
+    peak_bytes: int  # largest live bytes of the iteration (CUDA: max_memory_allocated)
+    reserved_bytes: int | None  # CUDA: max_memory_reserved; None elsewhere
+    breakdown: dict[str, int]  # BREAKDOWN_KEYS: what was live at the peak moment
+    param_bytes: int  # whole-step static parts
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_total_bytes: int  # everything saved for backward
+    unattributed_activation_bytes: int  # saved outside every module (loss, loss_fn)
+    modules: dict[str, int]  # module name -> own activation bytes; modules saving nothing omitted
+    torch_version: str
+    measured_by: str
+    created: str  # ISO 8601, UTC
+    version: int = BASELINE_VERSION
+
+
+@dataclass(frozen=True)
+class DiffRow:
+    name: str  # module name, or a part such as "param_bytes" / "breakdown.other"
+    kind: str  # "grew" | "shrank" | "same" | "new" (not in the baseline) | "removed" (gone from the model)
+    before: int | None  # None: not in the baseline
+    after: int | None  # None: not in the model any more
+    delta: int
+    fraction: float | None  # delta / before; None when before is absent or 0
+
+
+@dataclass(frozen=True)
+class SettingDiff:
+    name: str
+    baseline: Any
+    current: Any
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    status: str  # "pass" | "improved" | "regressed" | "settings-differ" | "written"
+    target: str
+    settings: CheckSettings  # what was measured (or asked for, when nothing was measured)
+    tolerance: float
+    reserved_tolerance: float
+    baseline_peak_bytes: int | None  # None: there was no baseline
+    peak_bytes: int | None  # None: not measured (settings differ)
+    limit_bytes: int | None  # the largest peak that passes
+    baseline_reserved_bytes: int | None = None
+    reserved_bytes: int | None = None
+    reserved_limit_bytes: int | None = None
+    settings_diff: tuple[SettingDiff, ...] = ()
+    parts: tuple[DiffRow, ...] = ()  # static parts, unattributed activations, breakdown at the peak
+    modules: tuple[DiffRow, ...] = ()  # modules whose bytes changed, largest growth first
+    reasons: tuple[str, ...] = ()  # why it regressed
+    warnings: tuple[str, ...] = ()
+    baseline_path: str | None = None
+    baseline_created: str | None = None
+    recorded: Baseline | None = None  # the baseline this run wrote ("written")
+
+    @property
+    def delta_bytes(self) -> int | None:
+        if self.peak_bytes is None or self.baseline_peak_bytes is None:
+            return None
+        return self.peak_bytes - self.baseline_peak_bytes
+
+    @property
+    def exit_code(self) -> int:
+        return {"regressed": RegressionError.exit_code, "settings-differ": BaselineError.exit_code}.get(
+            self.status, 0
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["delta_bytes"] = self.delta_bytes
+        d["exit_code"] = self.exit_code
+        return d
+
+
+def device_kind(device: str) -> str:
+    """"cuda:1" -> "cuda": a baseline measured on one GPU holds for another of the same kind."""
+    return device.split(":", 1)[0]
+
+
+def entry_data(entry: Any) -> str | tuple[str, ...]:
+    """A plan entry (plan/entry.py) as settings hold it: a module name, or a tuple of names (a segment)."""
+    e = Entry.of(entry)
+    return e.modules if e.is_segment else e.modules[0]
+
+
+# --- from a profile --------------------------------------------------------------------------------
+
+
+def settings_of(
+    profile: StepProfile, checkpoint: Sequence[str] = (), seq_len: int | None = None, attn: str | None = None
+) -> CheckSettings:
+    return CheckSettings(
+        profile.batch_size,
+        profile.precision,
+        profile.optimizer,
+        profile.device,
+        tuple(checkpoint),
+        seq_len,
+        attn,
+    )
+
+
+def baseline_from_profile(profile: StepProfile, settings: CheckSettings | None = None) -> Baseline:
+    """The baseline record of a profiled step (`settings` adds what the profile does not carry: the plan)."""
+    return Baseline(
+        target=profile.target,
+        settings=settings or settings_of(profile),
+        peak_bytes=profile.peak_bytes,
+        reserved_bytes=profile.cuda_reserved_bytes,
+        breakdown={k: getattr(profile.breakdown, k) for k in BREAKDOWN_KEYS},
+        param_bytes=profile.param_bytes,
+        grad_bytes=profile.grad_bytes,
+        optimizer_bytes=profile.optimizer_bytes,
+        activation_total_bytes=profile.activation_total_bytes,
+        unattributed_activation_bytes=profile.unattributed_activation_bytes,
+        modules={m.name: m.activation_bytes for m in profile.modules if m.activation_bytes},
+        torch_version=str(profile.torch_version),  # torch.__version__ is a str subclass YAML cannot write
+        measured_by=profile.measured_by,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+# --- the file out ----------------------------------------------------------------------------------
+
+
+def _field(key: str, value: Any, comment: str | None = None, indent: int = 0) -> str:
+    """One line of a baseline file: `key: value  # comment`, both as YAML scalars; `...` opens a block."""
+    if value is ...:
+        return yamlio.line(key, "", comment, indent, column=COMMENT_COLUMN)
+    return yamlio.line(yamlio.scalar(key), yamlio.scalar(value), comment, indent, column=COMMENT_COLUMN)
+
+
+def baseline_to_yaml(b: Baseline) -> str:
+    s = b.settings
+    lines = [
+        "# ckpt-tune memory baseline. `ckpt-tune check TARGET --baseline <this file>` fails when the",
+        "# training step's peak grows past it; record a new one on purpose with --update and commit it.",
+        _field("version", b.version),
+        _field("target", b.target),
+        _field("created", b.created),
+        _field("torch_version", b.torch_version),
+        _field("measured_by", b.measured_by),
+        _field("settings", ..., "the check measures under these; others fail with exit 1"),
+        _field("batch_size", s.batch_size, indent=2),
+        _field("precision", s.precision, indent=2),
+        _field("optimizer", s.optimizer, indent=2),
+        _field("device", s.device, indent=2),
+        _field(
+            "checkpoint",
+            [e if isinstance(e, str) else list(e) for e in s.checkpoint],
+            "modules checkpointed by the --plan",
+            indent=2,
+        ),
+    ]
+    if s.seq_len is not None or s.attn is not None:
+        lines += [_field("seq_len", s.seq_len, indent=2), _field("attn", s.attn, indent=2)]
+    lines += [
+        _field("peak_bytes", b.peak_bytes, format_bytes(b.peak_bytes)),
+        _field(
+            "reserved_bytes",
+            b.reserved_bytes,
+            "CUDA caching allocator reserve"
+            + (f": {format_bytes(b.reserved_bytes)}" if b.reserved_bytes is not None else ""),
+        ),
+        _field("breakdown", ..., "live at the peak moment; adds up to peak_bytes"),
+        *(_field(k, b.breakdown[k], format_bytes(b.breakdown[k]), indent=2) for k in BREAKDOWN_KEYS),
+        _field("param_bytes", b.param_bytes, "whole step: " + format_bytes(b.param_bytes)),
+        _field("grad_bytes", b.grad_bytes, format_bytes(b.grad_bytes)),
+        _field("optimizer_bytes", b.optimizer_bytes, format_bytes(b.optimizer_bytes)),
+        _field(
+            "activation_total_bytes",
+            b.activation_total_bytes,
+            "saved for backward: " + format_bytes(b.activation_total_bytes),
+        ),
+        _field(
+            "unattributed_activation_bytes",
+            b.unattributed_activation_bytes,
+            "saved outside every module: " + format_bytes(b.unattributed_activation_bytes),
+        ),
+    ]
+    if b.modules:
+        lines.append(_field("modules", ..., "bytes each module's own ops save for backward; 0 omitted"))
+        lines += [_field(name, n, format_bytes(n), indent=2) for name, n in b.modules.items()]
+    else:
+        lines.append(_field("modules", {}))
+    return "\n".join(lines) + "\n"
+
+
+def write_baseline(baseline: Baseline, path: str | Path) -> Path:
+    return yamlio.write(path, baseline_to_yaml(baseline), "baseline file", BaselineError, mkdir=True)
+
+
+# --- the file in -----------------------------------------------------------------------------------
+
+_TOP_KEYS = tuple(f.name for f in fields(Baseline))
+_SETTING_KEYS = tuple(f.name for f in fields(CheckSettings))
+_OPTIONAL_SETTINGS = ("checkpoint", "seq_len", "attn")
+_FIX = "baseline files are written by `ckpt-tune check`: fix the field, or record a new one with --update"
+_RESTORE = "restore it from version control, or record a new one with --update"
+
+
+def _is_entry(value: Any) -> bool:
+    """A module name, or a segment: a list of two or more names (plan/entry.py)."""
+    try:
+        Entry.of(value)
+    except PlanError:
+        return False
+    return True
+
+
+def load_baseline(path: str | Path) -> Baseline:
+    """A validated Baseline from its YAML file. Any problem raises BaselineError naming the file and field."""
+    path = Path(path)
+    where = f"baseline file {path}"
+    if not path.exists():
+        raise BaselineError(f"{where} not found", hint=f"record one with `ckpt-tune check TARGET --baseline {path}`")
+    data = yamlio.read(path, where, BaselineError, invalid_hint=_RESTORE)
+    if not isinstance(data, dict):
+        raise BaselineError(
+            f"{where} must hold a mapping of baseline fields, found {yamlio.kind(data)}", hint=_RESTORE
+        )
+    f = yamlio.Fields(where, BaselineError, _FIX, noun="baseline field")
+    f.keys(data, _TOP_KEYS, ("reserved_bytes",))
+    if isinstance(data["version"], bool) or data["version"] != BASELINE_VERSION:
+        raise f.fail(
+            "version",
+            f"is {data['version']!r}; this ckpt-tune reads version {BASELINE_VERSION}",
+            "record a new baseline with --update",
+        )
+    s = f.keys(data["settings"], _SETTING_KEYS, _OPTIONAL_SETTINGS, "settings.")
+    ckpt = s.get("checkpoint") or []
+    if not isinstance(ckpt, list) or not all(_is_entry(n) for n in ckpt):
+        raise f.fail(
+            "settings.checkpoint",
+            f"must be a list of module names (a segment: a list of two or more), got {ckpt!r}",
+        )
+    device = f.text(s["device"], "settings.device")
+    if device_kind(device) not in ("cpu", "cuda", "meta"):
+        raise f.fail("settings.device", f"is {device!r}, not cpu, cuda, cuda:N or meta")
+    settings = CheckSettings(
+        batch_size=f.integer(s["batch_size"], "settings.batch_size", 1),
+        precision=f.text(s["precision"], "settings.precision", PRECISIONS),
+        optimizer=f.text(s["optimizer"], "settings.optimizer", OPTIMIZERS),
+        device=device,
+        checkpoint=tuple(entry_data(n) for n in ckpt),
+        seq_len=f.integer(s.get("seq_len"), "settings.seq_len", 1, nullable=True),
+        attn=None if s.get("attn") is None else f.text(s["attn"], "settings.attn"),
+    )
+    bd = f.keys(data["breakdown"], BREAKDOWN_KEYS, (), "breakdown.")
+    # "other" is what is left of the peak after the named parts, and may dip below zero.
+    breakdown = {k: f.integer(bd[k], f"breakdown.{k}", None if k == "other" else 0) for k in BREAKDOWN_KEYS}
+    mods = data["modules"] or {}
+    if not isinstance(mods, dict):
+        raise f.fail("modules", f"must be a mapping of module name to bytes, got {yamlio.kind(mods)}")
+    modules = {}
+    for name, n in mods.items():
+        if isinstance(name, bool) or not isinstance(name, (str, int)):
+            raise f.fail("modules", f"has a key {name!r} that is not a module name")
+        modules[str(name)] = f.integer(n, f"modules.{name}")
+    created = data["created"]
+    if isinstance(created, (datetime.date, datetime.datetime)):  # YAML reads an unquoted timestamp as one
+        created = created.isoformat()
+    return Baseline(
+        target=f.text(data["target"], "target"),
+        settings=settings,
+        peak_bytes=f.integer(data["peak_bytes"], "peak_bytes", 1),
+        reserved_bytes=f.integer(data.get("reserved_bytes"), "reserved_bytes", 0, nullable=True),
+        breakdown=breakdown,
+        param_bytes=f.integer(data["param_bytes"], "param_bytes"),
+        grad_bytes=f.integer(data["grad_bytes"], "grad_bytes"),
+        optimizer_bytes=f.integer(data["optimizer_bytes"], "optimizer_bytes"),
+        activation_total_bytes=f.integer(data["activation_total_bytes"], "activation_total_bytes"),
+        unattributed_activation_bytes=f.integer(
+            data["unattributed_activation_bytes"], "unattributed_activation_bytes"
+        ),
+        modules=modules,
+        torch_version=f.text(data["torch_version"], "torch_version"),
+        measured_by=f.text(data["measured_by"], "measured_by"),
+        created=f.text(created, "created"),
+    )
