@@ -33,13 +33,14 @@ from benchmarks.common import (
     measured_peak,
     mib,
     pct,
+    plain,
     tool_searcher,
     write_results,
 )
+from ckpt_tune import Settings
+from ckpt_tune import profile as tool_profile
 from ckpt_tune.tune.memory_model import predict
 from ckpt_tune.tune.planner import solve
-from ckpt_tune.tune.search import Settings
-from ckpt_tune.tune.search import profile as tool_profile
 
 BATCHES = {"gpt": (2, 4, 8), "resnet": (4, 8, 16), "unet": (2, 4, 8), "hf_gpt2": (1, 2, 4)}
 QUICK = {"gpt": (2, 4), "resnet": (4, 8), "unet": (2, 4), "hf_gpt2": (1, 2)}
@@ -65,7 +66,7 @@ def run_model(name: str, batches: tuple[int, ...]) -> tuple[list[dict], list[dic
         if sol is not None:
             plans.append(("planner @ midpoint", sol.choice))
         for label, choice in plans:
-            names = list(t.names(choice))
+            names = list(plain(t.names(choice)))
             measured = measured_peak(ex, b, checkpoint=names)
             pred, fit = predict(t, choice), predict(fitted, choice)
             row = {

@@ -35,11 +35,12 @@ from benchmarks.common import (
     md_table,
     measured_peak,
     mib,
+    plain,
     write_results,
 )
+from ckpt_tune import Settings, search
 from ckpt_tune.measure.device import parse_budget
-from ckpt_tune.tune.search import Settings, search
-from ckpt_tune.tune.searcher import find_blocks
+from ckpt_tune.tune.candidates import find_blocks
 
 STEPS_PER_TRIAL = 3  # Lightning's default
 INIT_VAL = 2  # Lightning's default
@@ -109,9 +110,10 @@ def run_budget(ex, vram: str, blocks: tuple[str, ...], repeats: int) -> dict:
     outcome = search(ex.spec, vram=vram, settings=Settings(device="cpu"))
     tool_s = time.perf_counter() - t0
     plan = outcome.plan
-    tool_peak = measured_peak(ex, plan.batch_size, checkpoint=plan.checkpoint)
+    checkpoint = plain(plan.checkpoint)
+    tool_peak = measured_peak(ex, plan.batch_size, checkpoint=checkpoint)
     rows = [{
-        "finder": "ckpt-tune search", "batch": plan.batch_size, "checkpointed": list(plan.checkpoint),
+        "finder": "ckpt-tune search", "batch": plan.batch_size, "checkpointed": list(checkpoint),
         "wall_s": tool_s, "steps": outcome.result.probes, "trials": None, "measured_bytes": tool_peak,
         "fits": tool_peak <= budget, "note": "recorded steps (probes + verification); wall time end to end",
     }]
@@ -119,9 +121,9 @@ def run_budget(ex, vram: str, blocks: tuple[str, ...], repeats: int) -> dict:
     # its own recorded steps peak at, against the budget it was given?
     base = outcome.result.baselines.get("no checkpointing")
     probe_peak = base.predicted_peak if base else None
-    print(f"{vram}: ckpt-tune: batch {plan.batch_size}, {_checkpointed(plan.checkpoint, len(blocks))} blocks, {tool_s:.1f} s, "
+    print(f"{vram}: ckpt-tune: batch {plan.batch_size}, {_checkpointed(checkpoint, len(blocks))} blocks, {tool_s:.1f} s, "
           f"{outcome.result.probes} recorded steps; harness peak {mib(tool_peak)} MiB of {mib(budget)}", flush=True)
-    configs = {"ckpt-tune search": (plan.batch_size, tuple(plan.checkpoint))}
+    configs = {"ckpt-tune search": (plan.batch_size, checkpoint)}
     for ck_label, ck in (("every block", blocks), ("no checkpointing", ())):
         for mode in ("power", "binsearch"):
             f = Finder(ex, budget, ck)

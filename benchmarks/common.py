@@ -6,7 +6,7 @@ suite uses, and shares no code with ckpt_tune.measure.runner: a freshly built mo
 iteration (so gradients, optimizer state, the batch and activations are all seen from their allocation
 on), gc collected before and disabled during, and the peak of the measured iteration is the bytes of
 parameters and buffers plus the largest running sum of the CPU allocator's `[memory]` events inside it
-(DESIGN.md §3). Checkpointing is applied by the harness's own wrappers, not by ckpt_tune.plan.apply.
+(docs/design.md §3). Checkpointing is applied by the harness's own wrappers, not by ckpt_tune.plan.apply.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ MiB = 1 << 20
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from ckpt_tune.plan.entry import to_data  # noqa: E402
 from tests import harness  # noqa: E402  (the ground truth the test suite uses)
 from tests.harness import Segment, make_optimizer, wrap_blocks  # noqa: E402
 
@@ -52,6 +53,12 @@ class Example:
     build: Callable[[], nn.Module]
     make_batch: Callable[[int], Any]
     loss_fn: Callable[[nn.Module, Any], torch.Tensor]
+
+
+def plain(entries) -> tuple:
+    """A plan's entries in their data form, as the harness and the result files take them: module
+    names, and a segment as a tuple of names."""
+    return tuple(e if isinstance(e, str) else tuple(e) for e in to_data(entries))
 
 
 def _import(path: Path):

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from benchmarks.common import EXAMPLES, example, md_table, mib, wrap_blocks, write_results
+from benchmarks.common import EXAMPLES, example, md_table, mib, plain, wrap_blocks, write_results
 
 BATCHES = {"gpt": (16, 64), "resnet": (64, 256), "unet": (32, 128), "hf_gpt2": (8, 32)}
 GiB = 1 << 30
@@ -125,9 +125,9 @@ def deadline(seconds: int):
 
 def accuracy(name: str) -> list[dict]:
     from benchmarks.common import tool_searcher
+    from ckpt_tune import Settings, profile
     from ckpt_tune.tune.memory_model import predict
     from ckpt_tune.tune.planner import solve
-    from ckpt_tune.tune.search import Settings, profile
 
     ex = example(name)
     rows = []
@@ -144,7 +144,7 @@ def accuracy(name: str) -> list[dict]:
             sol = solve(t, s.costs(b), budget)
             plans = [("none", none), ("every block", every)] + ([("planner @ midpoint", sol.choice)] if sol else [])
             for label, choice in plans:
-                rows.append({"model": name, "batch": b, "plan": label, "checkpointed": list(t.names(choice)),
+                rows.append({"model": name, "batch": b, "plan": label, "checkpointed": list(plain(t.names(choice))),
                              "predicted_bytes": predict(t, choice)})
     finally:
         s.runner.__exit__(None, None, None)
@@ -171,7 +171,7 @@ def accuracy(name: str) -> list[dict]:
 
 
 def card(name: str, vram_gib: float, repeats: int) -> dict:
-    from ckpt_tune.tune.search import Settings, search
+    from ckpt_tune import Settings, search
 
     ex = example(name)
     total = torch.cuda.get_device_properties(0).total_memory
@@ -192,7 +192,7 @@ def card(name: str, vram_gib: float, repeats: int) -> dict:
     out["search_s"] = time.perf_counter() - t0
     _free()
     plan = outcome.plan
-    b, names = plan.batch_size, list(plan.checkpoint)
+    b, names = plan.batch_size, list(plain(plan.checkpoint))
     out.update(batch=b, checkpointed=names, predicted_bytes=plan.predicted_peak_bytes, usable_bytes=outcome.budget.usable_bytes,
                predicted_recompute=plan.predicted_recompute_fraction, verified_bytes=outcome.result.verified_peak)
     nxt = next((r for r in outcome.result.frontier if r.batch_size == b + 1), None)

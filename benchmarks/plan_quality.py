@@ -46,6 +46,7 @@ from benchmarks.common import (
     md_table,
     measured_peak,
     mib,
+    plain,
     sqrt_segments,
     tool_searcher,
     wrap_blocks,
@@ -193,11 +194,11 @@ def run_model(name: str, repeats: int) -> dict:
         if n <= BRUTE_MAX:
             bf = brute_force(t, costs, budget)
             entry["plans"]["brute force (model)"] = (
-                {"plan": PlanSpec(names=bf.names(t)), "predicted_bytes": bf.peak} if bf else {"plan": None, "note": "nothing fits the model"}
+                {"plan": PlanSpec(names=plain(bf.names(t))), "predicted_bytes": bf.peak} if bf else {"plan": None, "note": "nothing fits the model"}
             )
         try:
             res = s.search(budget, batch_size=b)
-            entry["plans"]["ckpt-tune"] = {"plan": PlanSpec(names=res.checkpoint), "predicted_bytes": res.predicted_peak,
+            entry["plans"]["ckpt-tune"] = {"plan": PlanSpec(names=plain(res.checkpoint)), "predicted_bytes": res.predicted_peak,
                                            "verified_bytes": res.verified_peak, "predicted_overhead": res.recompute_fraction}
         except NoFitError as e:
             entry["plans"]["ckpt-tune"] = {"plan": None, "note": f"NoFitError: {e.message}"}

@@ -3,7 +3,7 @@
 It shares no code with ckpt_tune's runner: the profiler is started before the warm-up iteration, so
 every allocation and free after the model was built (gradients, optimizer state, the batch, activations)
 is seen, and the measured iteration's peak is the bytes allocated before profiling (parameters and
-buffers) plus the largest running sum of allocator events inside that iteration (DESIGN.md §3).
+buffers) plus the largest running sum of allocator events inside that iteration (docs/design.md §3).
 """
 
 from __future__ import annotations
@@ -20,8 +20,12 @@ MARK = "harness::measured"
 
 def wrap_blocks(model, names):
     """A plain non-reentrant checkpoint wrapper, independent of ckpt_tune.apply; an entry that is a
-    tuple of names (a plan's segment) runs those blocks as one checkpointed `Segment`."""
+    tuple of names (a plan's segment) runs those blocks as one checkpointed `Segment`. A ckpt-tune plan
+    entry is read for its data only: the names in its `modules`."""
     for name in names:
+        name = getattr(name, "modules", name)
+        if not isinstance(name, str) and len(name) == 1:
+            name = name[0]
         if not isinstance(name, str):
             Segment([model.get_submodule(n) for n in name], checkpointed=True).install()
             continue

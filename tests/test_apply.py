@@ -1,4 +1,4 @@
-"""ckpt_tune.apply: checkpointing changes memory and time only (DESIGN.md §5).
+"""ckpt_tune.apply: checkpointing changes memory and time only (docs/design.md §5).
 
 Every comparison is against a deep copy of the unwrapped model run with the same seed, on CPU, where
 the same ops in the same order give bit-identical results: differences must be exactly 0.
@@ -14,11 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from ckpt_tune.plan.apply import applied_names, apply, remove
 from torch import nn
 
 from ckpt_tune.errors import PlanError
-from ckpt_tune.plan.file import Plan, member_names, write_plan
+from ckpt_tune.plan.apply import applied_names, apply, remove
+from ckpt_tune.plan.entry import member_names
+from ckpt_tune.plan.file import Plan, write_plan
 from ckpt_tune.plan.patch import patch_snippet
 
 # ---------------------------------------------------------------------------------------------------

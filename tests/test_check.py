@@ -25,11 +25,11 @@ import pytest
 import torch
 import yaml
 
+from ckpt_tune import Settings
 from ckpt_tune import gate as ck
 from ckpt_tune.errors import BaselineError, RegressionError
 from ckpt_tune.measure.profiler import Breakdown, ModuleRecord, StepProfile
 from ckpt_tune.plan.file import Plan, write_plan
-from ckpt_tune.tune.search import Settings
 from tests.fixtures.models import LinearStack
 
 FP32 = 4

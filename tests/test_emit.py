@@ -1,4 +1,4 @@
-"""Plan files (DESIGN.md §2), their validation, the patch snippet's text, and byte/percent units.
+"""Plan files (docs/design.md §2), their validation, the patch snippet's text, and byte/percent units.
 
 Pure: nothing here runs a model (tests/test_apply.py runs the snippet on models).
 """
@@ -18,7 +18,7 @@ from ckpt_tune.vocab import OPTIMIZERS, PRECISIONS
 
 GIB = 2**30
 
-# The example of DESIGN.md §2.
+# The example of docs/design.md §2.
 EXAMPLE = Plan(
     target="examples/gpt.py:build",
     device="cuda",

@@ -8,8 +8,9 @@ import random
 import pytest
 
 from ckpt_tune.measure.runner import StepRunner
+from ckpt_tune.tune.candidates import find_blocks
 from ckpt_tune.tune.memory_model import BlockTerms, Terms, cut_run, predict, probe_configs
-from ckpt_tune.tune.searcher import Searcher, find_blocks
+from ckpt_tune.tune.searcher import Searcher
 from tests.fixtures.models import ZOO
 from tests.harness import measured_peak
 
@@ -80,7 +81,7 @@ def test_cut_run_on_a_hand_made_curve():
 
 
 def test_finer_options_are_the_composite_children_every_block_has():
-    from ckpt_tune.tune.searcher import find_sub_options
+    from ckpt_tune.tune.candidates import find_sub_options
 
     vit = ZOO["vit_dropout"].build()
     assert find_sub_options(vit, find_blocks(vit)) == ["attn", "mlp"]

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from ckpt_tune.plan.entry import Entry
 from ckpt_tune.tune.memory_model import BlockTerms, SegmentTerms, Terms, predict, segments_of, with_segment
 from ckpt_tune.tune.planner import all_choices, brute_force, choice_cost, min_peak, solve
 
@@ -135,4 +136,4 @@ def test_a_segment_is_chosen_when_only_it_fits():
     assert segments_of(sol.choice) == [(0, 1)]
     assert sol.choice == with_segment((0, 0), 0, 1)
     assert sol.cost == 3.0
-    assert t.names(sol.choice) == (("b0", "b1"),)
+    assert t.names(sol.choice) == (Entry(("b0", "b1")),)

@@ -12,11 +12,11 @@ import random
 
 import pytest
 import torch
-from ckpt_tune.plan.apply import applied_names, apply, remove
 from torch import nn
 
 from ckpt_tune.errors import PlanError
 from ckpt_tune.measure.runner import StepRunner
+from ckpt_tune.plan.apply import applied_names, apply, remove
 from ckpt_tune.tune.memory_model import predict, with_segment
 from ckpt_tune.tune.planner import all_choices
 from ckpt_tune.tune.searcher import Searcher
@@ -206,7 +206,7 @@ def test_search_uses_segments_to_reach_a_larger_batch_and_the_plan_fits():
     with StepRunner(CHAIN.build(), CHAIN.make_batch, CHAIN.loss_fn) as runner:
         res = Searcher(runner, segments=True).search(budget)
     assert res.batch_size > b0  # every block reaches b0 exactly; segments reach further
-    assert any(not isinstance(e, str) for e in res.checkpoint)
+    assert any(e.is_segment for e in res.checkpoint)
     truth = measured_peak(CHAIN.build, CHAIN.make_batch, CHAIN.loss_fn, res.batch_size, checkpoint=list(res.checkpoint))
     assert truth <= budget
     assert res.verified_peak == truth
@@ -314,7 +314,7 @@ def test_search_drops_segments_whose_recompute_cannot_repeat_the_forward():
     with StepRunner(build(), CHAIN.make_batch, CHAIN.loss_fn) as runner:
         s = Searcher(runner, segments=True)
         res = s.search(budget)
-    assert all(isinstance(e, str) for e in res.checkpoint)
+    assert not any(e.is_segment for e in res.checkpoint)
     assert any("dropped" in n for n in res.notes)
     assert measured_peak(build, CHAIN.make_batch, CHAIN.loss_fn, res.batch_size, checkpoint=list(res.checkpoint)) <= budget
 

@@ -12,7 +12,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from ckpt_tune.measure.profiler import StepProfile
-from ckpt_tune.plan.file import entry_label, member_names
+from ckpt_tune.plan.entry import Entry, member_names
 from ckpt_tune.units import format_bytes
 
 err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 120)
@@ -136,11 +136,11 @@ def render_search(outcome, plan_yaml: str, patch: str, elapsed_s: float) -> None
     err.print(f"searched in {elapsed_s:.1f} s ({res.probes} recorded steps)")
 
 
-def _plan_label(plan: tuple, units: tuple[str, ...]) -> str:
+def _plan_label(plan: tuple[Entry, ...], units: tuple[str, ...]) -> str:
     if not plan:
         return "(none)"
-    labels = [entry_label(e) for e in plan]
-    segs = sum(1 for e in plan if not isinstance(e, str))
+    labels = [e.label for e in plan]
+    segs = sum(1 for e in plan if e.is_segment)
     if len(plan) == len(units) and not segs:
         return f"all {len(units)}"
     if len(plan) <= 4:
@@ -150,9 +150,9 @@ def _plan_label(plan: tuple, units: tuple[str, ...]) -> str:
     return f"{what}: {', '.join(labels[:3])}, …"
 
 
-def _count(plan: tuple, units: tuple[str, ...]) -> str:
+def _count(plan: tuple[Entry, ...], units: tuple[str, ...]) -> str:
     """`4/6`, or `6/6 (2 segments)` when blocks share checkpoints."""
-    segs = sum(1 for e in plan if not isinstance(e, str))
+    segs = sum(1 for e in plan if e.is_segment)
     return f"{len(member_names(plan))}/{len(units)}" + (f" ({segs} segment{'s' if segs > 1 else ''})" if segs else "")
 
 

@@ -71,10 +71,10 @@ def search(
     if as_json:
         res = outcome.result
         options.print_json({
-            "plan": asdict(outcome.plan),
+            "plan": outcome.plan.to_dict(),
             "budget": asdict(outcome.budget),
-            "frontier": [asdict(r) for r in res.frontier],
-            "baselines": {k: asdict(v) for k, v in res.baselines.items()},
+            "frontier": [r.to_dict() for r in res.frontier],
+            "baselines": {k: v.to_dict() for k, v in res.baselines.items()},
             "candidates": list(res.units),
             "recorded_steps": res.probes,
             "elapsed_s": round(elapsed, 2),

@@ -38,6 +38,16 @@ DEFAULT_LOSS_RULE = "default rule (output.loss / scalar / sum of floating output
 _DEBUG_HINT = "call the function directly to debug it, or rerun with --debug for the full traceback"
 # torch.OutOfMemoryError is new in torch 2.5; the CUDA name is an alias of it there and exists before.
 _OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+# Failures of this machine, not of the user's code: the host allocator refusing a request, and oneDNN
+# having no CPU kernel for an op at this precision (bf16 LSTM without AVX-512, for one). They pass
+# through the user-code wrappers here; session.user_errors says what they are.
+HOST_OOM = "DefaultCPUAllocator: can't allocate memory"
+MISSING_KERNEL = "could not create a primitive descriptor"
+
+
+def machine_failure(exc: BaseException) -> bool:
+    return isinstance(exc, RuntimeError) and (HOST_OOM in str(exc) or MISSING_KERNEL in str(exc))
+
 
 
 @dataclass(frozen=True)
@@ -280,6 +290,8 @@ def build_model(target: Target) -> nn.Module:
     except _OOM:
         raise
     except Exception as exc:
+        if machine_failure(exc):
+            raise
         raise UserCodeError(
             f"{target.spec} raised {_first_line(exc)}{_location(exc, _user_roots(target))}", hint=_DEBUG_HINT
         ) from exc
@@ -330,6 +342,8 @@ def make_batch(target: Target, batch_size: int, device: torch.device | str = "cp
     except _OOM:
         raise
     except Exception as exc:
+        if machine_failure(exc):
+            raise
         raise UserCodeError(
             f"{target.batch_source}({batch_size}) raised {_first_line(exc)}{_location(exc, _user_roots(target))}",
             hint=f"make_batch is called with the batch size as its only argument; {_DEBUG_HINT}",
@@ -344,7 +358,7 @@ def make_batch(target: Target, batch_size: int, device: torch.device | str = "cp
 
 
 def call_model(model: nn.Module, batch: Any) -> Any:
-    """Call the model the way DESIGN.md §2 says: dict → **batch, tuple/list → *batch, else (batch)."""
+    """Call the model the way docs/design.md §2 says: dict → **batch, tuple/list → *batch, else (batch)."""
     if isinstance(batch, Mapping):
         return model(**batch)
     if isinstance(batch, (tuple, list)):
@@ -394,6 +408,8 @@ def compute_loss(target: Target, model: nn.Module, batch: Any) -> torch.Tensor:
         except _OOM:
             raise
         except Exception as exc:
+            if machine_failure(exc):
+                raise
             raise UserCodeError(
                 f"{target.loss_source} raised {_first_line(exc)}{_location(exc, roots)}", hint=_DEBUG_HINT
             ) from exc
@@ -403,6 +419,8 @@ def compute_loss(target: Target, model: nn.Module, batch: Any) -> torch.Tensor:
         except _OOM:
             raise
         except Exception as exc:
+            if machine_failure(exc):
+                raise
             raise UserCodeError(
                 f"the model's forward raised {_first_line(exc)}{_location(exc, roots)}",
                 hint="check that the batch matches forward(): a dict is passed as **batch, "

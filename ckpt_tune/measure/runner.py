@@ -1,4 +1,4 @@
-"""Run one training iteration of DESIGN.md §2 under instrumentation, and leave the model as it was.
+"""Run one training iteration of docs/design.md §2 under instrumentation, and leave the model as it was.
 
     zero_grad(set_to_none=True) → make_batch → forward → loss → backward → optimizer.step()
 
@@ -20,12 +20,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from ckpt_tune import vocab
 from ckpt_tune.errors import UserCodeError
-from ckpt_tune.measure import fake
+from ckpt_tune.measure import fake, fake_inputs
 from ckpt_tune.measure.timeline import Recorder, Timeline, mark
 from ckpt_tune.plan import apply as plan_apply
+from ckpt_tune.plan.entry import Entry, entries_of
 
 SEED = 0
 
@@ -52,7 +54,8 @@ def unique_bytes(tensors) -> int:
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside nested tuples, lists, dicts and ModelOutput-like objects."""
+    """Every tensor inside nested tuples, lists, dicts and ModelOutput-like objects. Not pytree: a
+    user's output dataclass is not a registered pytree node, and its tensors count all the same."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, dict):
@@ -71,7 +74,7 @@ class Measurement:
     """One recorded iteration. Bytes are absolute device bytes unless named `*_delta`."""
 
     batch_size: int
-    checkpoint: tuple[str, ...]
+    checkpoint: tuple[Entry, ...]
     param_bytes: int  # parameters + buffers (distinct storages)
     optimizer_bytes: int  # optimizer state tensors
     grad_bytes: int  # gradients at the end of the iteration
@@ -131,7 +134,7 @@ class StepRunner:
             "grads": [(p, p.grad) for p in m.parameters()],
         }
         if self.settings.precision == "bf16":
-            fake.to_dtype(m, torch.bfloat16) if self.fake else m.to(torch.bfloat16)
+            fake_inputs.to_dtype(m, torch.bfloat16) if self.fake else m.to(torch.bfloat16)
         m.train()
         params = [p for p in m.parameters() if p.requires_grad]
         # CUDA's optimizers default to foreach (one temporary per parameter, all at once); fake tensors
@@ -232,7 +235,7 @@ class StepRunner:
     def measure(
         self,
         batch_size: int,
-        checkpoint: Sequence[str] = (),
+        checkpoint: Sequence = (),
         units: Sequence[str] = (),
         attribute: bool = False,
         accum_steps: int = 1,
@@ -281,7 +284,7 @@ class StepRunner:
             peak, reserved = max(cuda_peak, static + grads_before), cuda_reserved
         return Measurement(
             batch_size=batch_size,
-            checkpoint=tuple(checkpoint),
+            checkpoint=entries_of(checkpoint),
             param_bytes=param_b,
             optimizer_bytes=opt_b,
             grad_bytes=grads_after,
@@ -296,7 +299,7 @@ class StepRunner:
             chained=frozenset(inst.chained),
         )
 
-    def time_step(self, batch_size: int, checkpoint: Sequence[str] = (), repeats: int = 3) -> Timing:
+    def time_step(self, batch_size: int, checkpoint: Sequence = (), repeats: int = 3) -> Timing:
         """Median wall time of `repeats` iterations and each module's forward time (ms), no profiler."""
         self.warm_up(batch_size)
         if self.fake:
@@ -322,10 +325,10 @@ class StepRunner:
             if checkpoint:
                 plan_apply.remove(self.model)
         steps.sort()
-        return Timing(batch_size, tuple(checkpoint), steps[len(steps) // 2], dict(clock.best))
+        return Timing(batch_size, entries_of(checkpoint), steps[len(steps) // 2], dict(clock.best))
 
 
-    def _count_flops(self, batch_size: int, checkpoint: Sequence[str]) -> Timing:
+    def _count_flops(self, batch_size: int, checkpoint: Sequence) -> Timing:
         """Under fake tensors wall time means nothing: count FLOPs instead (1 GFLOP reported as 1 "ms").
 
         Recompute cost is then forward FLOPs of the checkpointed modules over the step's FLOPs, which is
@@ -350,27 +353,21 @@ class StepRunner:
             with FlopCounterMode(display=False) as step:
                 self.iteration(batch_size)
         total = sum(sum(ops.values()) for key, ops in step.get_flop_counts().items() if key == "Global") / 1e9
-        return Timing(batch_size, tuple(checkpoint), max(total, 1e-9), per_module(fwd), unit="GFLOP")
+        return Timing(batch_size, entries_of(checkpoint), max(total, 1e-9), per_module(fwd), unit="GFLOP")
 
 
 @dataclass(frozen=True)
 class Timing:
     batch_size: int
-    checkpoint: tuple[str, ...]
+    checkpoint: tuple[Entry, ...]
     step_ms: float
     forward_ms: dict[str, float]  # module name -> inclusive forward time (ms), fastest of the repeats
     unit: str = "ms"  # "GFLOP" under fake tensors, where FLOPs stand in for time
 
 
 def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
-    """Pure-bf16 training feeds bf16 inputs: cast every floating tensor of the batch."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, dict):
-        return type(obj)((k, _cast_floating(v, dtype)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_cast_floating(v, dtype) for v in obj)
-    return obj
+    """Pure-bf16 training feeds bf16 inputs: cast every floating tensor of the batch (any pytree)."""
+    return tree_map_only(torch.Tensor, lambda x: x.to(dtype) if x.is_floating_point() else x, obj)
 
 
 class _Instrument:

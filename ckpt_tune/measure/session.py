@@ -18,6 +18,7 @@ from torch import nn
 from ckpt_tune.errors import CkptTuneError, UserCodeError
 from ckpt_tune.measure import loader
 from ckpt_tune.measure.device import resolve_device
+from ckpt_tune.measure.loader import HOST_OOM, MISSING_KERNEL
 from ckpt_tune.measure.profiler import StepProfile, profile_model
 from ckpt_tune.measure.runner import StepRunner, StepSettings
 
@@ -42,13 +43,18 @@ def load(target: str | None, settings: Settings) -> loader.Target:
 
         return load_hf_target(settings.hf_config, seq_len=settings.seq_len, attn=settings.attn)
     if not target:
-        raise CkptTuneError("no target given", "pass TARGET as path/to/file.py:fn or package.module:fn, or --hf-config")
+        raise CkptTuneError(
+            "no target given",
+            "pass TARGET as path/to/file.py:fn or package.module:fn, or --hf-config; "
+            'or set `target = "..."` under [tool.ckpt-tune] in pyproject.toml',
+        )
     return loader.load_target(target, batch_fn=settings.batch_fn, loss_fn=settings.loss_fn)
 
 
 @contextlib.contextmanager
 def user_errors(what: str) -> Iterator[None]:
-    """Errors raised from inside the user's model during a step become one clear UserCodeError."""
+    """Errors raised from inside the user's model during a step become one clear UserCodeError;
+    running out of memory, or a CPU without a kernel the step needs, is said as what it is."""
     try:
         yield
     except CkptTuneError:
@@ -57,6 +63,23 @@ def user_errors(what: str) -> Iterator[None]:
         raise CkptTuneError(
             f"{what} ran out of memory: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
             "use a smaller --batch-size, or profile a smaller configuration with --device meta",
+        ) from e
+    except RuntimeError as e:
+        if HOST_OOM in str(e):
+            raise CkptTuneError(
+                f"{what} ran out of host memory: {str(e).splitlines()[0]}",
+                "this machine's RAM cannot hold the step at that batch: use --device meta to size it under "
+                "fake tensors, or a smaller --batch-size",
+            ) from e
+        if MISSING_KERNEL in str(e):
+            raise CkptTuneError(
+                f"this CPU cannot run the step at this precision: oneDNN has no kernel for one of its ops "
+                f"({str(e).splitlines()[0][:100]})",
+                "use --precision fp32 on this machine, or --device meta to size the step without running it",
+            ) from e
+        raise UserCodeError(
+            f"the training step raised RuntimeError: {str(e).splitlines()[0] if str(e) else ''}",
+            "run the step by hand to debug it, or rerun with --debug for the full traceback",
         ) from e
     except Exception as e:
         msg = str(e).splitlines()[0] if str(e) else ""
@@ -70,10 +93,10 @@ def build_runner(target: loader.Target, settings: Settings) -> tuple[nn.Module, 
     device = resolve_device(settings.device)
     step = StepSettings(device=device, precision=settings.precision, optimizer=settings.optimizer)
     if device == "meta":  # fake tensors: nothing is allocated; the CUDA allocator's rounding is modelled
-        from ckpt_tune.measure import fake
+        from ckpt_tune.measure import fake_inputs
 
-        model = fake.build_fake_model(target)
-        batch_fn = fake.fake_batch_fn(target, "cpu")
+        model = fake_inputs.build_fake_model(target)
+        batch_fn = fake_inputs.fake_batch_fn(target, "cpu")
     else:
         model = loader.build_model(target)
         with user_errors("moving the model"):

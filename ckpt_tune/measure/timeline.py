@@ -1,7 +1,7 @@
 """Allocator ground truth: every allocation and free of one training iteration, with markers.
 
 On CPU the allocator reports each allocation and free to `torch.profiler` when `profile_memory=True`
-(DESIGN.md §3). Summed in time order they give the exact live-byte curve above what was live when
+(docs/design.md §3). Summed in time order they give the exact live-byte curve above what was live when
 recording started. Markers are zero-length `record_function` ranges emitted from module hooks and from
 the training loop; they land in the same clock as the memory events, so a region of the curve can be
 cut out between two markers (the forward of `blocks.3`, its backward, the optimizer step).

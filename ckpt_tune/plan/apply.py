@@ -1,11 +1,11 @@
 """Apply a plan to a model in place: wrap the named modules with non-reentrant activation checkpointing.
 
-Only memory and time may change (DESIGN.md §5): same loss, gradients, BatchNorm running statistics and
+Only memory and time may change (docs/design.md §5): same loss, gradients, BatchNorm running statistics and
 random stream. The wrapper replaces `forward` on the module *instance*, so module names, state_dict keys
 and hooks are untouched; the module's own hooks (FSDP's included) stay outside the checkpoint and run
-once. The patch snippet of `emit.patch_snippet` does the same with plain torch and uses the same
+once. The patch snippet of `plan/patch.py` does the same with plain torch and uses the same
 attribute names, so `applied_names` and `remove` recognise modules wrapped by either. A segment (a list
-of consecutive blocks in the plan) is checkpointed as one region by ckpt_tune/segment.py, which the
+of consecutive blocks in the plan) is checkpointed as one region by ckpt_tune/plan/segment.py, which the
 patch snippet embeds.
 """
 
@@ -22,7 +22,8 @@ import torch.utils.checkpoint
 from torch import nn
 
 from ckpt_tune.errors import PlanError
-from ckpt_tune.plan.file import Entry, Plan, is_entry, load_plan, member_names
+from ckpt_tune.plan.entry import Action, Entry, entries_of, member_names
+from ckpt_tune.plan.file import Plan, load_plan
 from ckpt_tune.plan.segment import (
     INNER_ATTR,
     SEGMENT_ATTR,
@@ -34,7 +35,7 @@ from ckpt_tune.plan.segment import (
 
 log = logging.getLogger(__name__)
 
-# Shared with the patch snippet (emit.py): the wrapper's function name marks a wrapped module, and a
+# Shared with the patch snippet (plan/patch.py): the wrapper's function name marks a wrapped module, and a
 # forward the instance had before wrapping (e.g. one set by accelerate) is kept under this attribute.
 _WRAPPER_NAME = "_ckpt_forward"
 _INNER_ATTR = INNER_ATTR
@@ -74,11 +75,11 @@ def applied_names(model: nn.Module) -> tuple[str, ...]:
     return tuple(name for name, m in model.named_modules() if _is_wrapped(m))
 
 
-def _names_from(plan_or_path: Plan | str | Path | dict | Sequence[Entry]) -> tuple[Entry, ...]:
+def _names_from(plan_or_path: Plan | str | Path | dict | Sequence) -> tuple[Entry, ...]:
     if isinstance(plan_or_path, (Plan, str, Path, dict)):
         return load_plan(plan_or_path).checkpoint
-    if isinstance(plan_or_path, Sequence) and all(is_entry(e, min_segment=0) for e in plan_or_path):
-        return tuple(e if isinstance(e, str) else tuple(e) for e in plan_or_path)
+    if isinstance(plan_or_path, Sequence):
+        return entries_of(plan_or_path)
     raise PlanError(
         f"cannot apply {type(plan_or_path).__name__}: expected a Plan, a plan file path, a mapping or a list "
         "of module names (a segment: a list of consecutive blocks' names)",
@@ -95,12 +96,6 @@ def _resolve(model: nn.Module, entries: Sequence[Entry]) -> dict[str, nn.Module]
             "the plan names the root module '' (the whole model)",
             hint="checkpoint submodules such as the repeated blocks; checkpointing the whole model saves nothing",
         )
-    for e in entries:
-        if not isinstance(e, str) and len(e) < 2:
-            raise PlanError(
-                f"the plan lists a segment of {len(e)} block(s): {list(e)}",
-                hint="a segment is two or more consecutive blocks; write a single block as its name alone",
-            )
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise PlanError(f"the plan lists {twice[0]!r} more than once", hint="list each module once")
@@ -173,12 +168,12 @@ def _turn_off_use_cache(model: nn.Module) -> None:
             log.info("set %s.config.use_cache = False for checkpointing", type(m).__name__)
 
 
-def apply(model: nn.Module, plan_or_path: Plan | str | Path | dict | Sequence[Entry]) -> nn.Module:
+def apply(model: nn.Module, plan_or_path: Plan | str | Path | dict | Sequence) -> nn.Module:
     """Wrap the modules the plan names with non-reentrant checkpoint, in place; returns `model`.
 
     Accepts a Plan, a plan file path, a mapping with the plan file's keys, or a list whose entries are
     module names or segments (lists of the names of consecutive blocks, checkpointed as one region:
-    ckpt_tune/segment.py). Idempotent: a module already wrapped is left as it is. Raises PlanError for
+    ckpt_tune/plan/segment.py). Idempotent: a module already wrapped is left as it is. Raises PlanError for
     names the model lacks, for the root module, for a module listed together with one of its ancestors,
     for a segment whose blocks are already wrapped otherwise, and for modules that Hugging Face's own
     checkpointing already covers. Hugging Face models get `config.use_cache = False` (a KV cache would
@@ -191,26 +186,34 @@ def apply(model: nn.Module, plan_or_path: Plan | str | Path | dict | Sequence[En
     if modules:
         _turn_off_use_cache(model)
     for entry in entries:
-        if isinstance(entry, str):
-            module = modules[entry]
-            if _is_wrapped(module):
-                continue
-            own = module.__dict__.get("forward")
-            if own is not None:
-                setattr(module, _INNER_ATTR, own)
-            module.forward = types.MethodType(_ckpt_forward, module)
-            continue
-        blocks = [modules[n] for n in entry]
-        if _same_segment(blocks):
-            continue
-        wrapped = [n for n, b in zip(entry, blocks, strict=True) if _is_wrapped(b)]
-        if wrapped:
-            raise PlanError(
-                f"cannot checkpoint {entry[0]}..{entry[-1]} as one segment: {wrapped[0]} is already checkpointed",
-                hint="call ckpt_tune.remove(model) first, or apply one plan only",
-            )
-        Segment(blocks, f"segment {entry[0]}..{entry[-1]}").wrap(root=model)
+        _WRAPPERS[entry.action](model, entry, [modules[n] for n in entry.modules])
     return model
+
+
+def _checkpoint(model: nn.Module, entry: Entry, blocks: list[nn.Module]) -> None:
+    """Action.CHECKPOINT: one module under non-reentrant checkpoint, or a run of blocks as one region."""
+    if not entry.is_segment:
+        module = blocks[0]
+        if _is_wrapped(module):
+            return
+        own = module.__dict__.get("forward")
+        if own is not None:
+            setattr(module, _INNER_ATTR, own)
+        module.forward = types.MethodType(_ckpt_forward, module)
+        return
+    if _same_segment(blocks):
+        return
+    wrapped = [n for n, b in zip(entry.modules, blocks, strict=True) if _is_wrapped(b)]
+    if wrapped:
+        raise PlanError(
+            f"cannot checkpoint {entry.label} as one segment: {wrapped[0]} is already checkpointed",
+            hint="call ckpt_tune.remove(model) first, or apply one plan only",
+        )
+    Segment(blocks, f"segment {entry.label}").wrap(root=model)
+
+
+# One wrapper per kind of entry (docs/design.md §7).
+_WRAPPERS = {Action.CHECKPOINT: _checkpoint}
 
 
 def _same_segment(blocks: list[nn.Module]) -> bool:

@@ -11,10 +11,11 @@ import inspect
 import json
 
 from ckpt_tune.plan import segment
-from ckpt_tune.plan.file import Entry, Plan
+from ckpt_tune.plan.entry import Entry
+from ckpt_tune.plan.file import Plan
 from ckpt_tune.units import format_bytes
 
-# The wrapper of the patch snippet: the same logic, names and guards as ckpt_tune/apply.py (tests run
+# The wrapper of the patch snippet: the same logic, names and guards as ckpt_tune/plan/apply.py (tests run
 # both on the same models and compare every gradient), written with torch alone.
 _SNIPPET_WRAPPER = """
 import types
@@ -122,11 +123,12 @@ def patch_snippet(plan: Plan, *, hf: bool = False) -> str:
         f"# Recompute adds about {plan.predicted_recompute_fraction:.1%} to the step time.",
         "# Paste after building `model`, before creating the optimizer and before FSDP / torch.compile.",
     ]
-    segments = any(not isinstance(e, str) for e in plan.checkpoint)
+    segments = any(e.is_segment for e in plan.checkpoint)
     hf = hf and not segments  # Hugging Face's per-layer switch cannot checkpoint several layers as one
 
     def literal(e: Entry) -> str:  # json.dumps writes a valid Python string literal for any name
-        return json.dumps(e) if isinstance(e, str) else "(" + ", ".join(json.dumps(n) for n in e) + ")"
+        names = [json.dumps(n) for n in e.modules]
+        return names[0] if not e.is_segment else "(" + ", ".join(names) + ")"
 
     names = (
         "["
@@ -145,9 +147,9 @@ def patch_snippet(plan: Plan, *, hf: bool = False) -> str:
 
 
 def _segment_source() -> str:
-    """ckpt_tune/segment.py as snippet code: its docstring as comments, no `from __future__`."""
+    """ckpt_tune/plan/segment.py as snippet code: its docstring as comments, no `from __future__`."""
     text = inspect.getsource(segment)
     doc = segment.__doc__ or ""
     body = text.split('"""', 2)[2].replace("from __future__ import annotations\n", "")
     comment = "\n".join(("# " + line).rstrip() for line in doc.strip().splitlines())
-    return "\n# Segments: consecutive blocks under one checkpoint (ckpt_tune/segment.py, verbatim).\n" + comment + "\n" + body
+    return "\n# Segments: consecutive blocks under one checkpoint (ckpt_tune/plan/segment.py, verbatim).\n" + comment + "\n" + body

@@ -19,7 +19,7 @@ Everything between the blocks' calls runs inside the region. Code of the parent 
 backward between two blocks of a segment would not be recomputed: backward then stops with
 torch.utils.checkpoint's error instead of computing anything wrong.
 
-This file imports torch only: the patch snippet (ckpt_tune/emit.py) embeds it as it is.
+This file imports torch only: the patch snippet (ckpt_tune/plan/patch.py) embeds it as it is.
 """
 
 from __future__ import annotations

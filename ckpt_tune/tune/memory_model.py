@@ -1,4 +1,4 @@
-"""The memory model of DESIGN.md §4: predicted peak of any checkpoint plan, from a few recorded runs.
+"""The memory model of docs/design.md §4: predicted peak of any checkpoint plan, from a few recorded runs.
 
 Blocks u_0..u_{n-1} run in this order in forward and in reverse in backward. Cut the live-byte curve of
 one iteration at the blocks' markers:
@@ -22,9 +22,9 @@ Finer options (checkpoint only a block's `attn` or `mlp`) are options 2, 3, … 
 run per option (every block takes it) observes the pair (option, option); the other pairs assume what
 holds for sub-module checkpointing: the block still keeps its own input and output as when stored
 normally, so its predecessor interacts with it as with option 0 (see `combine`). Verification by
-running the plan (search.py) guards that assumption.
+running the plan (searcher.py) guards that assumption.
 
-Segments (consecutive blocks i..j under one checkpoint, ckpt_tune/segment.py) are terms of their own:
+Segments (consecutive blocks i..j under one checkpoint, ckpt_tune/plan/segment.py) are terms of their own:
 d, F, B of the whole run i..j for each option p of block i-1, keyed (i, j) in `Terms.segments`. The
 block after a segment sees it as a checkpointed predecessor (its pair terms with prev = 1): in both
 cases nothing of the predecessor's is stored. Until a run with that segment is recorded, its terms are
@@ -37,6 +37,8 @@ Everything here is pure: no device, no model.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from ckpt_tune.plan.entry import Entry
 
 # Options of a block: 0 = stored normally, 1 = the whole block checkpointed, 2.. = one named
 # sub-module of the block checkpointed (Terms.options names them).
@@ -71,19 +73,24 @@ def segments_of(choice: tuple[int, ...]) -> list[tuple[int, int]]:
     return [(i, i - c - 1) for i, c in enumerate(choice) if c < SEGMENT_MEMBER]
 
 
+def segment_code(i: int, j: int) -> tuple[int, ...]:
+    """The choice entries of blocks i..j checkpointed as one segment."""
+    return (-(j - i + 1), *(SEGMENT_MEMBER,) * (j - i))
+
+
 def with_segment(choice: tuple[int, ...], i: int, j: int) -> tuple[int, ...]:
-    return (*choice[:i], -(j - i + 1), *(SEGMENT_MEMBER,) * (j - i), *choice[j + 1 :])
+    return (*choice[:i], *segment_code(i, j), *choice[j + 1 :])
 
 
-def plan_entries(units, options, choice: tuple[int, ...]) -> tuple[str | tuple[str, ...], ...]:
-    """Plan entries for a choice: the block for option 1, `block.<sub>` for options 2.., and a tuple of
-    the blocks' names for a segment."""
-    out: list[str | tuple[str, ...]] = []
+def plan_entries(units, options, choice: tuple[int, ...]) -> tuple[Entry, ...]:
+    """Plan entries for a choice (docs/design.md §7): the block for option 1, `block.<sub>` for options
+    2.., and the run of the blocks' names for a segment."""
+    out: list[Entry] = []
     for i, (u, c) in enumerate(zip(units, choice)):
         if c < SEGMENT_MEMBER:
-            out.append(tuple(units[i : i - c]))
+            out.append(Entry(tuple(units[i : i - c])))
         elif c > 0:
-            out.append(u if c == 1 else f"{u}.{options[c]}")
+            out.append(Entry((u if c == 1 else f"{u}.{options[c]}",)))
     return tuple(out)
 
 
@@ -103,7 +110,7 @@ class Terms:
     def k(self) -> int:
         return len(self.options)
 
-    def names(self, choice: tuple[int, ...]) -> tuple[str | tuple[str, ...], ...]:
+    def names(self, choice: tuple[int, ...]) -> tuple[Entry, ...]:
         return plan_entries(self.units, self.options, choice)
 
     def interpolate(self, other: Terms, batch_size: int) -> Terms:

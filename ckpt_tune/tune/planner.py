@@ -4,7 +4,7 @@ Every constraint of the memory model is (stored prefix) + (a term of block i alo
 predecessor's choice) ≤ room, so a left-to-right dynamic program over the stored prefix is exact. The
 prefix is kept exactly, as a Pareto front of (prefix bytes, recompute cost) per predecessor choice, so
 the answer is the true optimum of the model, not of a rounded one. The problem contains knapsack: no
-greedy is optimal (DESIGN.md §4). `brute_force` enumerates all 2^n choices; tests check the two agree.
+greedy is optimal (docs/design.md §4). `brute_force` enumerates every choice (K^n options, plus segments); tests check the two agree.
 
 Pure: no device, no model.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckpt_tune.tune.memory_model import SEGMENT_MEMBER, Terms, pair_index, predict
+from ckpt_tune.tune.memory_model import Terms, pair_index, predict, segment_code
 
 FRONT_CAP = 20000  # Pareto points kept per step before thinning (never reached by models of ≤ 200 blocks seen)
 
@@ -82,7 +82,7 @@ def _dp(terms: Terms, costs: Costs, room: int | None, prune) -> list:
                     seg = terms.segments[(a, b)]
                     t = max(top, prefix + seg.F[prev], prefix + seg.B[prev])
                     if room is None or t <= room:
-                        code = (-(b - a + 1), *(SEGMENT_MEMBER,) * (b - a))
+                        code = segment_code(a, b)
                         pending[b + 1].setdefault(1, []).append((prefix + seg.d[prev], cost + seg_cost[(a, b)], t, (code, ch)))
         pending[i] = {}
     return [(*s[:3], _unlink(s[3])) for raw in pending[n].values() for s in prune(raw)]
@@ -145,7 +145,7 @@ def all_choices(terms: Terms):
         for a, b in terms.segments:
             if a == i:
                 for tail in rest(b + 1):
-                    yield (-(b - a + 1), *(SEGMENT_MEMBER,) * (b - a), *tail)
+                    yield (*segment_code(a, b), *tail)
 
     yield from rest(0)
 

@@ -18,7 +18,8 @@ from ckpt_tune.errors import NoFitError
 from ckpt_tune.measure.device import Budget, parse_budget, resolve_device
 from ckpt_tune.measure.session import Settings, build_runner, load, user_errors
 from ckpt_tune.plan.file import Plan
-from ckpt_tune.tune.searcher import Searcher, SearchResult, find_blocks
+from ckpt_tune.tune.candidates import find_blocks
+from ckpt_tune.tune.searcher import Searcher, SearchResult
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ def search(
         ]
     plan = Plan(
         target=t.spec,
-        device=device,
+        device=device.split(":")[0],  # the kind: a plan made on cuda:1 applies on any CUDA device
         precision=step.precision,
         optimizer=step.optimizer,
         budget_bytes=budget.usable_bytes,

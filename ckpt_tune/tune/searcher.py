@@ -14,15 +14,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
-from torch import nn
 
 from ckpt_tune.errors import NoFitError, UserCodeError
 from ckpt_tune.measure.runner import StepRunner, unique_bytes
-from ckpt_tune.plan.file import member_names
+from ckpt_tune.plan.entry import Entry, member_names, to_data
 from ckpt_tune.plan.segment import available as segment_available
+from ckpt_tune.tune.candidates import find_blocks, find_sub_options
 from ckpt_tune.tune.memory_model import (
     SegmentTerms,
     Terms,
@@ -37,6 +37,7 @@ from ckpt_tune.tune.memory_model import (
 )
 from ckpt_tune.tune.planner import Solution, min_peak, solve
 from ckpt_tune.tune.sharding import check_shard, peak_of, per_gpu_terms, shard_moment, static_per_gpu
+from ckpt_tune.tune.verify import MAX_TIGHTENINGS
 from ckpt_tune.units import format_bytes
 
 MAX_BATCH = 1 << 16
@@ -53,52 +54,23 @@ SEGMENT_WORK = 640
 SEGMENT_TRIALS = 4
 
 
-def find_blocks(model: nn.Module) -> list[str]:
-    """Names of the repeated blocks a user would wrap, outermost first, in registration order."""
-    found: list[str] = []
-    for name, mod in model.named_modules():
-        if not isinstance(mod, (nn.ModuleList, nn.Sequential)):
-            continue
-        children = list(mod.named_children())
-        types = [type(c) for _, c in children]
-        for cname, child in children:
-            if types.count(type(child)) >= 2 and sum(1 for _ in child.parameters()) > 0:
-                full = f"{name}.{cname}" if name else cname
-                if not any(full.startswith(f + ".") for f in found):
-                    found.append(full)
-    # a block nested in another found block is a finer option, not a chain member
-    return [f for f in found if not any(f != g and f.startswith(g + ".") for g in found)]
-
-
-_NOT_WORTH_A_CHECKPOINT = (nn.LayerNorm, nn.Dropout, nn.Embedding, nn.modules.batchnorm._NormBase)
-
-
-def find_sub_options(model: nn.Module, blocks: list[str] | tuple[str, ...]) -> list[str]:
-    """Relative names of the large sub-modules every block has (attention, MLP): composite children
-    (two or more submodules, with parameters), which a user can checkpoint instead of the whole block."""
-    common: list[str] | None = None
-    for b in blocks:
-        names = [
-            n for n, c in model.get_submodule(b).named_children()
-            if len(list(c.children())) >= 2 and any(True for _ in c.parameters()) and not isinstance(c, _NOT_WORTH_A_CHECKPOINT)
-        ]
-        common = names if common is None else [n for n in common if n in names]
-    return common or []
-
-
 @dataclass(frozen=True)
 class FrontierRow:
     batch_size: int
-    plan: tuple[str, ...]
+    plan: tuple[Entry, ...]
     predicted_peak: int
     recompute_fraction: float
     fits: bool
+
+    def to_dict(self) -> dict:
+        """JSON form: entries as the plan file writes them."""
+        return {**asdict(self), "plan": to_data(self.plan)}
 
 
 @dataclass
 class SearchResult:
     batch_size: int
-    checkpoint: tuple[str, ...]
+    checkpoint: tuple[Entry, ...]
     predicted_peak: int
     verified_peak: int
     recompute_fraction: float
@@ -132,7 +104,7 @@ class Searcher:
         # caches per kind of iteration: 1 = one batch, 2 = a later micro-batch of an accumulated step
         self._terms_by_kind: dict[int, dict[int, Terms]] = {1: {}, 2: {}}
         self._segments_by_kind: dict[int, dict[int, dict[tuple[int, int], SegmentTerms]]] = {1: {}, 2: {}}
-        # sharded data parallelism: every byte figure is per GPU (sharding.py; DESIGN.md §6)
+        # sharded data parallelism: every byte figure is per GPU (sharding.py; docs/design.md §6)
         self.world_size, self.shard = check_shard(world_size, shard)
         self.progress = progress or (lambda msg: None)
         self.units = tuple(units if units is not None else find_blocks(runner.model))
@@ -167,7 +139,7 @@ class Searcher:
                 (i, j) for i in range(n) for j in range(i + 1, min(i + longest, n)) if all(linked[i + 1 : j + 1])
             )
 
-    def names(self, choice: tuple[int, ...]) -> list:
+    def names(self, choice: tuple[int, ...]) -> list[Entry]:
         """Plan entries of a choice (memory_model.plan_entries)."""
         return list(plan_entries(self.units, self.options, choice))
 
@@ -399,7 +371,7 @@ class Searcher:
         trials = 0
         for _ in range(4 * 8):
             sol = solve(self.terms(b), self.costs(b), room)
-            if sol is None or tightened >= 3:
+            if sol is None or tightened >= MAX_TIGHTENINGS:
                 if batch_size is None and b > 1:  # this batch does not fit after all: one smaller
                     b, room, tightened, verified, trials = b - 1, budget, 0, {}, 0
                     continue

@@ -6,7 +6,7 @@ optimizer step). A remedy changes some parts of some phases; the predicted peak 
 after the change. Taking every phase, not only the measured peak, matters: cutting optimizer state
 moves the peak from the optimizer step to the end of forward, and the forward moment has its own mix.
 
-DESIGN.md §6, data parallelism over N GPUs (each GPU runs the full micro-batch):
+docs/design.md §6, data parallelism over N GPUs (each GPU runs the full micro-batch):
 
     stage      divided by N                        also on each GPU
     zero1      optimizer state                     -

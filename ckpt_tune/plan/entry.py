@@ -1,0 +1,96 @@
+"""What a plan does, as a type: an entry names what it acts on and what it does there (docs/design.md §7).
+
+An entry acts on one module (`blocks.3`) or on a run of consecutive blocks (`blocks.2..blocks.4`, a
+segment), and its `action` says what happens there. Today there is one action, `checkpoint`:
+non-reentrant activation checkpointing over the module, or over the whole run as one region.
+
+Each action has one YAML form (`to_data`/`of`, written and read by plan/file.py), one wrapper
+(plan/apply.py; the patch snippet of plan/patch.py mirrors it) and its cost terms in the memory model
+(tune/memory_model.py turns the planner's choices into entries). A new kind of choice adds a member to
+`Action` and those three pieces, and nothing else.
+
+Pure: no torch, no device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from ckpt_tune.errors import PlanError
+
+
+class Action(str, Enum):
+    """What an entry does to the modules it names."""
+
+    CHECKPOINT = "checkpoint"  # keep only the inputs; recompute the forward in backward (one region)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One choice of a plan.
+
+    Attributes:
+        modules: the names (from `model.named_modules()`) it acts on: one module, or two or more
+            consecutive blocks, called as a chain, that act as one region (a segment).
+        action: what it does there.
+    """
+
+    modules: tuple[str, ...]
+    action: Action = Action.CHECKPOINT
+
+    def __post_init__(self) -> None:
+        if not self.modules or not all(isinstance(n, str) for n in self.modules):
+            raise PlanError(
+                f"a plan entry names one module or a run of modules, got {list(self.modules)!r}",
+                hint="write a module name, or a list of consecutive blocks' names",
+            )
+
+    @classmethod
+    def of(cls, value: Any) -> Entry:
+        """An entry from its data form: a module name, a list/tuple of names (a segment), or an Entry."""
+        if isinstance(value, Entry):
+            return value
+        if isinstance(value, str):
+            return cls((value,))
+        if isinstance(value, (list, tuple)) and all(isinstance(n, str) for n in value):
+            if len(value) < 2:
+                raise PlanError(
+                    f"the plan lists a segment of {len(value)} block(s): {list(value)}",
+                    hint="a segment is two or more consecutive blocks; write a single block as its name alone",
+                )
+            return cls(tuple(value))
+        raise PlanError(
+            f"a plan entry is a module name or a list of module names, got {value!r}",
+            hint='e.g. "blocks.0", or ["blocks.2", "blocks.3"] for one checkpoint over both',
+        )
+
+    @property
+    def is_segment(self) -> bool:
+        return len(self.modules) > 1
+
+    @property
+    def label(self) -> str:
+        """`blocks.0`, or `blocks.2..blocks.4` for a segment."""
+        return self.modules[0] if not self.is_segment else f"{self.modules[0]}..{self.modules[-1]}"
+
+    def to_data(self) -> str | list[str]:
+        """The entry as the plan file and JSON write it: a name, or a list of names for a segment."""
+        return self.modules[0] if not self.is_segment else list(self.modules)
+
+
+def entries_of(values: Iterable[Any]) -> tuple[Entry, ...]:
+    """Entries from their data forms (see `Entry.of`)."""
+    return tuple(Entry.of(v) for v in values)
+
+
+def member_names(entries: Iterable[Any]) -> list[str]:
+    """Every module name of a list of entries (or their data forms), segments flattened, in order."""
+    return [n for e in entries for n in Entry.of(e).modules]
+
+
+def to_data(entries: Iterable[Entry]) -> list[str | list[str]]:
+    """The data form of a list of entries (YAML, JSON, the harness of the tests)."""
+    return [Entry.of(e).to_data() for e in entries]
