@@ -6,7 +6,7 @@ Nothing is downloaded: the model comes from a config, so this runs offline. A ta
 
 It needs the optional `transformers` dependency (`pip install 'ckpt-tune[hf]'`). Importing this file
 works without it; `build()` says what to install. The key-value cache is off (`use_cache=False`):
-it is useless in training and Hugging Face disables it under checkpointing anyway (DESIGN.md §5).
+it is useless in training and Hugging Face disables it under checkpointing anyway (docs/design.md §5).
 """
 
 import torch

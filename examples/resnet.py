@@ -7,7 +7,7 @@ without max-pooling, the usual variant for small images. A target for `ckpt-tune
     ckpt-tune profile examples/resnet.py:build --device cpu --batch-size 32
 
 BatchNorm makes this the example where a checkpointing plan must take care with running statistics:
-recomputing a block in backward updates them a second time (DESIGN.md §5).
+recomputing a block in backward updates them a second time (docs/design.md §5).
 """
 
 from dataclasses import dataclass, fields

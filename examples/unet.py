@@ -8,7 +8,7 @@ for `ckpt-tune`, e.g.
 
 The skips are what makes U-Nets a test of a memory model: each encoder output stays alive from its
 stage until the decoder stage that consumes it, across every block in between, whether or not
-those blocks are checkpointed (DESIGN.md §4, "tensors that cross blocks").
+those blocks are checkpointed (docs/design.md §4, "tensors that cross blocks").
 """
 
 from dataclasses import dataclass, fields

@@ -117,7 +117,7 @@ def test_arithmetic_remedies_follow_their_formulas(tight):
     # offload: activations down to one block's working set
     off = next(r for r in tight.remedies if r.kind == "offload")
     assert off.peak_bytes == peak_of(offload_moment(m, off.config["working_set_bytes"]) for m in base).total
-    # sharding: the smallest power-of-two world size that fits, per DESIGN.md §6
+    # sharding: the smallest power-of-two world size that fits, per docs/design.md §6
     for stage in ("zero1", "zero2", "zero3"):
         r = next(r for r in tight.remedies if r.kind == stage)
         n = r.config["world_size"]

@@ -1,4 +1,4 @@
-"""The bundled examples and the test zoo honour the target contract of DESIGN.md §2: `build()` gives a
+"""The bundled examples and the test zoo honour the target contract of docs/design.md §2: `build()` gives a
 module, `make_batch(b)` is deterministic and leaves the global RNG alone, `loss_fn` gives a finite
 scalar whose backward reaches every trainable parameter."""
 
