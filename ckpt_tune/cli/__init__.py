@@ -6,6 +6,11 @@ commands share live in cli/options.py.
 
 Exit codes: 0 success; 1 error (bad target or input, user code raised); 2 usage; 3 the answer is "no"
 (nothing fits the budget, or `check` found a regression).
+
+Project configuration (cli/config.py: `[tool.ckpt-tune]` in pyproject.toml, or ckpt-tune.toml, found from
+the current directory upward) becomes click's `default_map`: the root callback reads it before the command
+parses its arguments, so a flag on the command line still wins. `main` wraps each command to say on stderr
+which file was read and to name that file in an error a configured value caused.
 """
 
 from __future__ import annotations
@@ -17,11 +22,14 @@ import os
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 import sys
-from typing import Annotated
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
 from ckpt_tune.cli import check, diagnose, profile, search
+from ckpt_tune.cli import config as project_config
 from ckpt_tune.errors import CkptTuneError
 
 app = typer.Typer(
@@ -31,12 +39,38 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-_state = {"debug": False}
+_state: dict[str, Any] = {"debug": False, "config": None, "help": False}
 
 
 @app.callback()
-def _root(debug: Annotated[bool, typer.Option("--debug", help="show full tracebacks")] = False) -> None:
+def _root(
+    ctx: typer.Context,
+    debug: Annotated[bool, typer.Option("--debug", help="show full tracebacks")] = False,
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", dir_okay=False, help="read option defaults from this ckpt-tune.toml or pyproject.toml only"),
+    ] = None,
+    no_config: Annotated[
+        bool,
+        typer.Option("--no-config", help=f"ignore ckpt-tune.toml and the tool.ckpt-tune table of pyproject.toml (also: {project_config.ENV_DISABLE}=1)"),
+    ] = False,
+) -> None:
     _state["debug"] = debug
+    _state["config"] = None
+    if config is not None and no_config:
+        raise typer.BadParameter("give --config FILE or --no-config, not both", param_hint="--config")
+    if no_config or (config is None and project_config.disabled_by_env()):
+        return
+    params = {name: {p.name for p in cmd.params if p.name} for name, cmd in ctx.command.commands.items()}
+    try:
+        found = project_config.load(Path.cwd(), params, explicit=config)
+    except project_config.ConfigError:
+        if _state["help"]:  # a broken configuration file does not hide --help
+            return
+        raise
+    if found is not None:
+        ctx.default_map = found.defaults
+        _state["config"] = found
 
 
 app.command()(profile.profile)
@@ -45,16 +79,74 @@ app.command()(check.check)
 app.command()(diagnose.diagnose)
 
 
-def main() -> None:
+def _source(ctx, name: str) -> str | None:
+    source = ctx.get_parameter_source(name)
+    return None if source is None else source.name
+
+
+def _with_config(invoke: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """A command's `invoke` that says which configuration file was read and, when the command fails on
+    a value taken from it, names the file and key in the hint."""
+
+    def run(ctx):
+        found = _state["config"]
+        if found is None:
+            return invoke(ctx)
+        # A TARGET on the command line beats a configured hf-config (which the session would prefer).
+        if _source(ctx, "target") == "COMMANDLINE" and _source(ctx, "hf_config") == "DEFAULT_MAP":
+            ctx.params["hf_config"] = None
+        sys.stderr.write(f"config: {found.describe()}\n")
+        try:
+            return invoke(ctx)
+        except CkptTuneError as e:
+            if e.exit_code == 1:
+                _name_config(e, found, ctx)
+            raise
+
+    return run
+
+
+def _name_config(e: CkptTuneError, found, ctx) -> None:
+    """Add to e's hint which configured values the message mentions, and where they were set."""
+    notes = []
+    for name, value in ctx.params.items():
+        origin = found.origins.get((ctx.info_name, name))
+        if origin is None or value is None or _source(ctx, name) != "DEFAULT_MAP":
+            continue
+        key, where = origin
+        text = str(value)
+        kind = project_config.KEYS.get(key)
+        if kind == "spec":  # messages name the file of path/file.py:fn, unquoted
+            mentioned = {text, text.rpartition(":")[0]}
+        elif kind == "path":
+            mentioned = {text}
+        else:  # short words like "cpu": only quoted, or the option named
+            mentioned = {repr(text), f"--{key}"}
+        if any(m and m in e.message for m in mentioned):
+            notes.append(f"{key} = {text!r} is set in {where}")
+    if notes:
+        note = "; ".join(notes) + " (override it on the command line, or use --no-config)"
+        e.hint = f"{e.hint}; {note}" if e.hint else note
+
+
+def main(argv: list[str] | None = None) -> None:
     """Entry point: click handles usage errors (exit 2); our error family becomes one line and its code."""
+    args = sys.argv[1:] if argv is None else argv
+    _state["help"] = "--help" in args
+    command = typer.main.get_command(app)
+    for sub in command.commands.values():
+        sub.invoke = _with_config(sub.invoke)
     try:
-        app()
+        command(args)
     except CkptTuneError as e:
         if _state["debug"]:
             raise
+        from rich.markup import escape
+
         from ckpt_tune.cli import render
 
-        render.error(e.message, e.hint)
+        # Plain text, not markup: "[tool.ckpt-tune]" or a path with brackets must print as written.
+        render.error(escape(e.message), escape(e.hint) if e.hint else None)
         sys.exit(e.exit_code)
 
 
