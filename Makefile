@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup lint clean
+.PHONY: demo test test-slow setup lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q
+	@# once more on a lesser CPU: oneDNN limited to AVX2 (no AVX-512, no bf16 kernels), wherever this runs
+	ONEDNN_MAX_CPU_ISA=AVX2 $(BIN)/python -m pytest -q tests/test_fake.py tests/test_profile.py tests/test_machine_errors.py
+
+# the slow members only (also part of `make test`)
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
 
 lint: $(STAMP)
 	$(BIN)/ruff check ckpt_tune tests

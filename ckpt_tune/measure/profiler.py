@@ -124,9 +124,11 @@ def profile_model(
     target: str = "<model>",
     scaling: bool = True,
     checkpoint: tuple[str, ...] = (),
+    runner: StepRunner | None = None,
 ) -> StepProfile:
-    """Profile one training iteration of `model`. The model is restored afterwards (see StepRunner)."""
-    with StepRunner(model, batch_fn, loss_fn, settings) as runner:
+    """Profile one training iteration of `model`. The model is restored afterwards (see StepRunner).
+    `runner`: one already built for this model (session.build_runner's, which may be a host.HostGuard)."""
+    with runner or StepRunner(model, batch_fn, loss_fn, settings) as runner:
         m = runner.measure(batch_size, checkpoint=checkpoint, attribute=True)
         timing = runner.time_step(batch_size, checkpoint=checkpoint, repeats=3)
         scale = None

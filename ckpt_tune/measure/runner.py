@@ -113,6 +113,7 @@ class StepRunner:
         self.scaler = None
         self._warm = False
         self._snapshot: dict[str, Any] = {}
+        self.notes: list[str] = []  # how steps were measured, when not as asked (see measure/host.py)
 
     # -- set-up and restoration ---------------------------------------------------------------
     def _ctx(self):

@@ -9,8 +9,9 @@ user's code into one clear error. `profile` is the library call behind `ckpt-tun
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -18,6 +19,7 @@ from torch import nn
 from ckpt_tune.errors import CkptTuneError, UserCodeError
 from ckpt_tune.measure import loader
 from ckpt_tune.measure.device import resolve_device
+from ckpt_tune.measure.host import HostGuard
 from ckpt_tune.measure.loader import HOST_OOM, MISSING_KERNEL
 from ckpt_tune.measure.profiler import StepProfile, profile_model
 from ckpt_tune.measure.runner import StepRunner, StepSettings
@@ -105,7 +107,18 @@ def build_runner(target: loader.Target, settings: Settings) -> tuple[nn.Module, 
         def batch_fn(b):
             return loader.make_batch(target, b, device)
 
-    runner = StepRunner(model, batch_fn, lambda m, batch: loader.compute_loss(target, m, batch), step)
+    def loss_fn(m, batch):
+        return loader.compute_loss(target, m, batch)
+
+    runner = StepRunner(model, batch_fn, loss_fn, step)
+    if device == "cpu":  # a step this machine cannot hold is recorded under fake tensors (measure/host.py)
+        from ckpt_tune.measure import fake_inputs
+
+        def make_fake() -> StepRunner:
+            fake_step = replace(step, device="meta", fake_target="cpu")
+            return StepRunner(fake_inputs.build_fake_model(target), fake_inputs.fake_batch_fn(target, "cpu"), loss_fn, fake_step)
+
+        runner = HostGuard(runner, make_fake)
     return model, runner, step
 
 
@@ -120,7 +133,7 @@ def profile(
     t = load(target, settings)
     model, runner, step = build_runner(t, settings)
     with user_errors("profiling"):
-        return profile_model(
+        prof = profile_model(
             model,
             runner.batch_fn,
             runner.loss_fn,
@@ -129,4 +142,8 @@ def profile(
             target=t.spec,
             scaling=scaling,
             checkpoint=checkpoint,
+            runner=runner,
         )
+    if isinstance(runner, HostGuard) and runner.fake_batches:
+        prof = dataclasses.replace(prof, measured_by="; ".join(["fake tensors with the CPU allocator's rules", *runner.notes]))
+    return prof

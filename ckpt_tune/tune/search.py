@@ -68,6 +68,7 @@ def search(
             r if r.batch_size != res.batch_size else replace(r, plan=res.checkpoint, predicted_peak=res.predicted_peak, recompute_fraction=res.recompute_fraction)
             for r in res.frontier
         ]
+        res.notes.extend(n for n in runner.notes if n not in res.notes)
     plan = Plan(
         target=t.spec,
         device=device.split(":")[0],  # the kind: a plan made on cuda:1 applies on any CUDA device

@@ -1,0 +1,179 @@
+"""Never let the OS kill the tool: steps this machine cannot hold are recorded under fake tensors.
+
+A user plans for the 24 GiB GPU they will rent on a laptop with less RAM than that. On `--device cpu`
+every step is checked against what this process can still allocate (available RAM, and what an
+address-space limit such as `ulimit -v` leaves) before it runs: steps that fit run for real, and larger
+ones are recorded under fake tensors with the CPU allocator's rules (measure/fake.py), which allocate
+nothing (docs/design.md §3). The step's peak at a batch is predicted from the real ones recorded so far
+as an upper bound: proportional in the batch from the largest real step, above the static states.
+Timing a step that does not fit runs the largest batch that does
+and scales it linearly. Every switch is written to `notes`, so the output says what was measured how.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ckpt_tune.measure.runner import Measurement, StepRunner, Timing
+from ckpt_tune.units import format_bytes
+
+# Fraction of the free bytes a real step may use: the profiler's own event buffers, allocator caching
+# and Python objects come on top of the step's live tensors.
+SAFETY = 0.6
+
+
+def host_headroom() -> int:
+    """Bytes this process can still allocate: available RAM, less what an address-space limit leaves."""
+    try:
+        import psutil  # optional: /proc is read where it is missing
+
+        available = psutil.virtual_memory().available
+        used_vm = psutil.Process().memory_info().vms
+    except ImportError:  # pragma: no cover - psutil is a dependency; kept for minimal installs
+        available, used_vm = _proc_available(), _proc_vms()
+    soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        available = min(available, soft - used_vm)
+    return max(int(available), 0)
+
+
+def _proc_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _proc_vms() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class HostGuard:
+    """A StepRunner's interface over a real CPU runner and, for steps too large for this machine, a
+    runner of the same target under fake tensors (built on first need by `make_fake`)."""
+
+    def __init__(
+        self,
+        real: StepRunner,
+        make_fake: Callable[[], StepRunner],
+        headroom: Callable[[], int] = host_headroom,
+    ) -> None:
+        self.real = real
+        self.model, self.batch_fn, self.loss_fn, self.settings = real.model, real.batch_fn, real.loss_fn, real.settings
+        self._make_fake, self._headroom = make_fake, headroom
+        self._fake: StepRunner | None = None
+        self._peaks: dict[int, tuple[int, int]] = {}  # batch -> (peak, static) of real steps without checkpointing
+        self.limit = 0
+        self.notes: list[str] = []
+        self.fake_batches: set[int] = set()
+
+    # -- the StepRunner interface ---------------------------------------------------------------
+    def __enter__(self) -> HostGuard:
+        self.real.__enter__()
+        self.limit = int(self._headroom() * SAFETY)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self._fake is not None:
+                self._fake.__exit__(*exc)
+                self._fake = None
+        finally:
+            self.real.__exit__(*exc)
+
+    def state_bytes(self) -> tuple[int, int, int]:
+        return self.real.state_bytes()
+
+    def warm_up(self, batch_size: int) -> None:
+        self.real.warm_up(min(batch_size, self.largest_real()))
+
+    def measure(
+        self,
+        batch_size: int,
+        checkpoint: Sequence = (),
+        units: Sequence[str] = (),
+        attribute: bool = False,
+        accum_steps: int = 1,
+    ) -> Measurement:
+        if self.fits(batch_size, accum_steps):
+            m = self.real.measure(batch_size, checkpoint, units, attribute, accum_steps)
+            if not checkpoint and accum_steps == 1:
+                self._peaks[batch_size] = (m.peak_bytes, m.static_bytes)
+            return m
+        self._say_fake(batch_size, accum_steps)
+        return self.fake().measure(batch_size, checkpoint, units, attribute, accum_steps)
+
+    def time_step(self, batch_size: int, checkpoint: Sequence = (), repeats: int = 3) -> Timing:
+        if self.fits(batch_size):
+            return self.real.time_step(batch_size, checkpoint, repeats)
+        small = self.largest_real()
+        t = self.real.time_step(small, checkpoint, repeats)
+        scale = batch_size / small
+        note = f"step times above batch {small} are scaled linearly from batch {small} (larger steps do not fit this machine)"
+        if note not in self.notes:
+            self.notes.append(note)
+        return Timing(batch_size, t.checkpoint, t.step_ms * scale, {k: v * scale for k, v in t.forward_ms.items()}, t.unit)
+
+    # -- deciding ----------------------------------------------------------------------------------
+    def predicted_peak(self, batch_size: int, accum_steps: int = 1) -> int:
+        """An upper bound of the step's peak at `batch_size` (no checkpointing), from the largest real step
+        b0: every moment's live bytes are c + v·b with c >= the static states, so v <= (peak(b0) -
+        static) / b0 and peak(b) <= static + (peak(b0) - static)·b/b0 for b >= b0. One more copy of the
+        static states when micro-batches accumulate (gradients stay live)."""
+        b0 = max(self._peaks)
+        peak, static = self._peaks[b0]
+        return static + -(-(peak - static) * batch_size // b0) + (static if accum_steps > 1 else 0)
+
+    def fits(self, batch_size: int, accum_steps: int = 1) -> bool:
+        if batch_size in self._peaks and accum_steps == 1:
+            return True
+        if not self._peaks:
+            # nothing recorded yet: one real step at batch 2 (small enough for any machine that holds the
+            # model) bounds the others
+            b = min(batch_size, 2)
+            m = self.real.measure(b)
+            self._peaks[b] = (m.peak_bytes, m.static_bytes)
+            self.real._warm = False  # the next step warms up at its own batch: steady state as asked
+            if batch_size == b and accum_steps == 1:
+                return True
+        return self.predicted_peak(batch_size, accum_steps) <= self.limit
+
+    def largest_real(self) -> int:
+        """The largest batch known to fit this machine (1 before anything was recorded)."""
+        fitting = [b for b in self._peaks if self.predicted_peak(b) <= self.limit] or [1]
+        return max(fitting)
+
+    def fake(self) -> StepRunner:
+        if self._fake is None:
+            self._fake = self._make_fake()
+            self._fake.__enter__()
+        return self._fake
+
+    def largest_fitting(self) -> int:
+        """The largest batch whose predicted step fits the limit (0 if not even batch 1)."""
+        lo, hi = 1, 1
+        while self.predicted_peak(hi) <= self.limit and hi < 1 << 30:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.predicted_peak(mid) <= self.limit else (lo, mid)
+        return lo if self.predicted_peak(lo) <= self.limit else 0
+
+    def _say_fake(self, batch_size: int, accum_steps: int) -> None:
+        self.fake_batches.add(batch_size)
+        top = max(self.fake_batches)
+        note = (
+            f"steps above batch {self.largest_fitting()} do not fit this machine ({format_bytes(self.limit)}, "
+            f"{SAFETY:.0%} of what this process can still allocate; batch {top} would need about "
+            f"{format_bytes(self.predicted_peak(top, accum_steps))}): they were recorded under fake tensors "
+            "with the CPU allocator's rules, which allocate nothing"
+        )
+        self.notes = [n for n in self.notes if not n.startswith("steps above batch")] + [note]
+
+    def __getattr__(self, name: str) -> Any:  # anything else of the real runner (e.g. `fake`, `device`)
+        return getattr(self.real, name)
