@@ -458,11 +458,14 @@ def test_a_segment_whose_last_block_is_in_eval_mode_still_closes():
 
 
 def test_segment_names_that_yaml_would_misread_round_trip(tmp_path):
+    from ckpt_tune.plan.entry import to_data
     from ckpt_tune.plan.file import Plan, load_plan, write_plan
 
     entries = (("d.x]", "d.y"), ("d.a, b", "d.c"), ("0", "null"), ("blocks.0", "blocks.1"))
     plan = Plan("t.py:build", "cpu", "fp32", "adamw", 1, 1, 1, entries, 1, 0.1)
-    assert load_plan(write_plan(plan, tmp_path / "plan.yaml")).checkpoint == entries
+    loaded = load_plan(write_plan(plan, tmp_path / "plan.yaml")).checkpoint
+    assert loaded == plan.checkpoint
+    assert [tuple(e) for e in to_data(loaded)] == list(entries)
     assert "  - [blocks.0, blocks.1]" in (tmp_path / "plan.yaml").read_text()
 
 

@@ -24,6 +24,7 @@ This file imports torch only: the patch snippet (ckpt_tune/plan/patch.py) embeds
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import types
 import weakref
@@ -62,6 +63,14 @@ def throwaway_running_stats(module: nn.Module):
     finally:
         for m, name, buf in kept:
             m._buffers[name] = buf
+
+
+def _no_dispatch_modes():
+    """A context without the active Python dispatch modes (FakeTensorMode, profilers' modes)."""
+    from torch.utils import _python_dispatch
+
+    disable = getattr(_python_dispatch, "_disable_current_modes", None)
+    return disable() if disable is not None else contextlib.nullcontext()
 
 
 def inner_forward(module: nn.Module):
@@ -191,9 +200,12 @@ class Segment:
         running the blocks back to back, is already there)."""
         now, before = self._rng_states(args, kwargs), self.rng_after
         self.rng_after = None
-        same = before is not None and torch.equal(now[0], before[0]) and now[1] == before[1] and all(
-            torch.equal(a, b) for a, b in zip(now[2], before[2], strict=True)
-        )
+        # RNG states are real byte tensors even under fake tensors or another dispatch mode: compare them
+        # outside any mode (a mode would see a data-dependent op and fail)
+        with _no_dispatch_modes():
+            same = before is not None and torch.equal(now[0], before[0]) and now[1] == before[1] and all(
+                torch.equal(a, b) for a, b in zip(now[2], before[2], strict=True)
+            )
         return None if same else now
 
     def _as_placeholder(self, x):
