@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow setup lint clean
+.PHONY: demo test test-slow test-heavy setup lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,10 @@ test: $(STAMP)
 # the slow members only (also part of `make test`)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
+
+# the heavy members (minutes each; not part of `make test`): the README's Llama-2-7B and 24 GB searches
+test-heavy: $(STAMP)
+	$(BIN)/python -m pytest -q -m heavy
 
 lint: $(STAMP)
 	$(BIN)/ruff check ckpt_tune tests
