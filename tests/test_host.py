@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ckpt_tune.measure import fake_inputs
+from ckpt_tune.measure import fake_inputs, host, loader
 from ckpt_tune.measure.host import HostGuard, host_headroom
 from ckpt_tune.measure.runner import StepRunner, StepSettings
 from ckpt_tune.tune.searcher import Searcher
@@ -35,27 +35,17 @@ class SpyRunner(StepRunner):
 
 
 def guard(fx, limit_bytes: int) -> tuple[HostGuard, SpyRunner]:
+    """A guard over a real runner of the fixture, on a machine whose limit is `limit_bytes`; its fake
+    runner is built the way session.build_runner builds one (fake_inputs, the CPU allocator's rules)."""
     real = SpyRunner(fx.build(), fx.make_batch, fx.loss_fn)
+    target = loader.Target(fx.name, "tests.fixtures.models", None, fx.name, fx.build, fx.make_batch, fx.loss_fn,
+                           "make_batch", "loss_fn")
 
     def make_fake() -> StepRunner:
-        import torch
-
-        from ckpt_tune.measure import fake
-
-        with fake.running():
-            torch.manual_seed(0)
-            model = fx.build()
-        fake_inputs._fakeify_module(model)
-
-        def batch_fn(b):
-            with fake.running():
-                return fx.make_batch(b)
-
-        return StepRunner(model, batch_fn, fx.loss_fn, StepSettings(device="meta", fake_target="cpu"))
+        model = fake_inputs.build_fake_model(target)
+        return StepRunner(model, fake_inputs.fake_batch_fn(target), fx.loss_fn, StepSettings(device="meta", fake_target="cpu"))
 
     # headroom such that SAFETY × headroom == limit_bytes
-    from ckpt_tune.measure import host
-
     return HostGuard(real, make_fake, headroom=lambda: int(limit_bytes / host.SAFETY) + 1), real
 
 

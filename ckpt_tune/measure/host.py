@@ -89,9 +89,6 @@ class HostGuard:
     def state_bytes(self) -> tuple[int, int, int]:
         return self.real.state_bytes()
 
-    def warm_up(self, batch_size: int) -> None:
-        self.real.warm_up(min(batch_size, self.largest_real()))
-
     def measure(
         self,
         batch_size: int,
@@ -144,9 +141,8 @@ class HostGuard:
         return self.predicted_peak(batch_size, accum_steps) <= self.limit
 
     def largest_real(self) -> int:
-        """The largest batch known to fit this machine (1 before anything was recorded)."""
-        fitting = [b for b in self._peaks if self.predicted_peak(b) <= self.limit] or [1]
-        return max(fitting)
+        """The largest batch run for real (each was checked to fit first); 1 before any was."""
+        return max(self._peaks, default=1)
 
     def fake(self) -> StepRunner:
         if self._fake is None:

@@ -38,15 +38,18 @@ DEFAULT_LOSS_RULE = "default rule (output.loss / scalar / sum of floating output
 _DEBUG_HINT = "call the function directly to debug it, or rerun with --debug for the full traceback"
 # torch.OutOfMemoryError is new in torch 2.5; the CUDA name is an alias of it there and exists before.
 _OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
-# Failures of this machine, not of the user's code: the host allocator refusing a request, and oneDNN
-# having no CPU kernel for an op at this precision (bf16 LSTM without AVX-512, for one). They pass
-# through the user-code wrappers here; session.user_errors says what they are.
+# Failures of this machine, not of the user's code: the device running out of memory, the host allocator
+# refusing a request, and oneDNN having no CPU kernel for an op at this precision (bf16 LSTM without
+# AVX-512, for one). They pass through the user-code wrappers here; session.user_errors says what they are.
 HOST_OOM = "DefaultCPUAllocator: can't allocate memory"
 MISSING_KERNEL = "could not create a primitive descriptor"
 
 
-def machine_failure(exc: BaseException) -> bool:
-    return isinstance(exc, RuntimeError) and (HOST_OOM in str(exc) or MISSING_KERNEL in str(exc))
+def not_the_users(exc: BaseException) -> bool:
+    """True for a failure of the machine, which the user-code wrappers let through."""
+    return isinstance(exc, _OOM) or (
+        isinstance(exc, RuntimeError) and (HOST_OOM in str(exc) or MISSING_KERNEL in str(exc))
+    )
 
 
 
@@ -287,10 +290,8 @@ def build_model(target: Target) -> nn.Module:
     """Call the target's `fn()` and check that it returned an `nn.Module`."""
     try:
         model = target.build_fn()
-    except _OOM:
-        raise
     except Exception as exc:
-        if machine_failure(exc):
+        if not_the_users(exc):
             raise
         raise UserCodeError(
             f"{target.spec} raised {_first_line(exc)}{_location(exc, _user_roots(target))}", hint=_DEBUG_HINT
@@ -339,10 +340,8 @@ def make_batch(target: Target, batch_size: int, device: torch.device | str = "cp
     """Call the batch function with `batch_size` and move the batch to `device`."""
     try:
         batch = target.batch_fn(batch_size)
-    except _OOM:
-        raise
     except Exception as exc:
-        if machine_failure(exc):
+        if not_the_users(exc):
             raise
         raise UserCodeError(
             f"{target.batch_source}({batch_size}) raised {_first_line(exc)}{_location(exc, _user_roots(target))}",
@@ -405,10 +404,8 @@ def compute_loss(target: Target, model: nn.Module, batch: Any) -> torch.Tensor:
     if target.loss_fn is not None:
         try:
             loss = target.loss_fn(model, batch)
-        except _OOM:
-            raise
         except Exception as exc:
-            if machine_failure(exc):
+            if not_the_users(exc):
                 raise
             raise UserCodeError(
                 f"{target.loss_source} raised {_first_line(exc)}{_location(exc, roots)}", hint=_DEBUG_HINT
@@ -416,10 +413,8 @@ def compute_loss(target: Target, model: nn.Module, batch: Any) -> torch.Tensor:
     else:
         try:
             output = call_model(model, batch)
-        except _OOM:
-            raise
         except Exception as exc:
-            if machine_failure(exc):
+            if not_the_users(exc):
                 raise
             raise UserCodeError(
                 f"the model's forward raised {_first_line(exc)}{_location(exc, roots)}",
