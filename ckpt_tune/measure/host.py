@@ -103,7 +103,7 @@ class HostGuard:
                 self._peaks[batch_size] = (m.peak_bytes, m.static_bytes)
             return m
         self._say_fake(batch_size, accum_steps)
-        return self.fake().measure(batch_size, checkpoint, units, attribute, accum_steps)
+        return self._fake_runner().measure(batch_size, checkpoint, units, attribute, accum_steps)
 
     def time_step(self, batch_size: int, checkpoint: Sequence = (), repeats: int = 3) -> Timing:
         if self.fits(batch_size):
@@ -144,21 +144,17 @@ class HostGuard:
         """The largest batch run for real (each was checked to fit first); 1 before any was."""
         return max(self._peaks, default=1)
 
-    def fake(self) -> StepRunner:
+    def _fake_runner(self) -> StepRunner:
         if self._fake is None:
             self._fake = self._make_fake()
             self._fake.__enter__()
         return self._fake
 
     def largest_fitting(self) -> int:
-        """The largest batch whose predicted step fits the limit (0 if not even batch 1)."""
-        lo, hi = 1, 1
-        while self.predicted_peak(hi) <= self.limit and hi < 1 << 30:
-            lo, hi = hi, hi * 2
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self.predicted_peak(mid) <= self.limit else (lo, mid)
-        return lo if self.predicted_peak(lo) <= self.limit else 0
+        """The largest batch whose bound (`predicted_peak`, one micro-batch) fits the limit; 0 if none."""
+        b0 = max(self._peaks)
+        peak, static = self._peaks[b0]
+        return max((self.limit - static) * b0 // max(peak - static, 1), 0)
 
     def _say_fake(self, batch_size: int, accum_steps: int) -> None:
         self.fake_batches.add(batch_size)
@@ -171,5 +167,5 @@ class HostGuard:
         )
         self.notes = [n for n in self.notes if not n.startswith("steps above batch")] + [note]
 
-    def __getattr__(self, name: str) -> Any:  # anything else of the real runner (e.g. `fake`, `device`)
+    def __getattr__(self, name: str) -> Any:  # anything else of the real runner (e.g. `device`, `fake`)
         return getattr(self.real, name)

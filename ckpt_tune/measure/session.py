@@ -9,7 +9,6 @@ user's code into one clear error. `profile` is the library call behind `ckpt-tun
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -145,5 +144,5 @@ def profile(
             runner=runner,
         )
     if isinstance(runner, HostGuard) and runner.fake_batches:
-        prof = dataclasses.replace(prof, measured_by="; ".join(["fake tensors with the CPU allocator's rules", *runner.notes]))
+        prof = replace(prof, measured_by="; ".join(["fake tensors with the CPU allocator's rules", *runner.notes]))
     return prof
