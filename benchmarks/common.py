@@ -38,7 +38,7 @@ MiB = 1 << 20
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from ckpt_tune.plan.entry import to_data  # noqa: E402
+from ckpt_tune.plan.entry import plain  # noqa: E402,F401  (re-exported for the benchmarks)
 from tests import harness  # noqa: E402  (the ground truth the test suite uses)
 from tests.harness import Segment, make_optimizer, wrap_blocks  # noqa: E402
 
@@ -53,12 +53,6 @@ class Example:
     build: Callable[[], nn.Module]
     make_batch: Callable[[int], Any]
     loss_fn: Callable[[nn.Module, Any], torch.Tensor]
-
-
-def plain(entries) -> tuple:
-    """A plan's entries in their data form, as the harness and the result files take them: module
-    names, and a segment as a tuple of names."""
-    return tuple(e if isinstance(e, str) else tuple(e) for e in to_data(entries))
 
 
 def _import(path: Path):

@@ -19,6 +19,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
 DEVICES = ("cpu", "cuda", "meta")  # device kinds a plan or baseline may record
+
+
+def device_kind(device: str) -> str:
+    """"cuda:1" -> "cuda": a plan or baseline made on one GPU holds for another of the same kind."""
+    return device.split(":", 1)[0]
 SHARDS = ("none", "zero1", "zero2", "zero3", "fsdp")
 
 

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt_tune import yamlio
 from ckpt_tune.errors import BaselineError, PlanError, RegressionError
-from ckpt_tune.plan.entry import Entry
+from ckpt_tune.plan.entry import Entry, plain
 from ckpt_tune.units import format_bytes
-from ckpt_tune.vocab import OPTIMIZERS, PARTS, PRECISIONS
+from ckpt_tune.vocab import DEVICES, OPTIMIZERS, PARTS, PRECISIONS, device_kind
 
 if TYPE_CHECKING:
     from ckpt_tune.measure.profiler import StepProfile
@@ -119,17 +119,6 @@ class CheckResult:
         d["delta_bytes"] = self.delta_bytes
         d["exit_code"] = self.exit_code
         return d
-
-
-def device_kind(device: str) -> str:
-    """"cuda:1" -> "cuda": a baseline measured on one GPU holds for another of the same kind."""
-    return device.split(":", 1)[0]
-
-
-def entry_data(entry: Any) -> str | tuple[str, ...]:
-    """A plan entry (plan/entry.py) as settings hold it: a module name, or a tuple of names (a segment)."""
-    e = Entry.of(entry)
-    return e.modules if e.is_segment else e.modules[0]
 
 
 # --- from a profile --------------------------------------------------------------------------------
@@ -284,14 +273,14 @@ def load_baseline(path: str | Path) -> Baseline:
             f"must be a list of module names (a segment: a list of two or more), got {ckpt!r}",
         )
     device = f.text(s["device"], "settings.device")
-    if device_kind(device) not in ("cpu", "cuda", "meta"):
+    if device_kind(device) not in DEVICES:
         raise f.fail("settings.device", f"is {device!r}, not cpu, cuda, cuda:N or meta")
     settings = CheckSettings(
         batch_size=f.integer(s["batch_size"], "settings.batch_size", 1),
         precision=f.text(s["precision"], "settings.precision", PRECISIONS),
         optimizer=f.text(s["optimizer"], "settings.optimizer", OPTIMIZERS),
         device=device,
-        checkpoint=tuple(entry_data(n) for n in ckpt),
+        checkpoint=plain(ckpt),
         seq_len=f.integer(s.get("seq_len"), "settings.seq_len", 1, nullable=True),
         attn=None if s.get("attn") is None else f.text(s["attn"], "settings.attn"),
     )

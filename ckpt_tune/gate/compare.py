@@ -21,10 +21,10 @@ from ckpt_tune.gate.baseline import (
     CheckSettings,
     DiffRow,
     SettingDiff,
-    device_kind,
     settings_of,
 )
 from ckpt_tune.units import format_bytes, format_percent, parse_percent
+from ckpt_tune.vocab import device_kind
 
 if TYPE_CHECKING:
     from ckpt_tune.measure.profiler import StepProfile

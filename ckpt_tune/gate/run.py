@@ -21,13 +21,13 @@ from ckpt_tune.gate.baseline import (
     CheckResult,
     CheckSettings,
     baseline_from_profile,
-    entry_data,
     load_baseline,
     settings_of,
     write_baseline,
 )
 from ckpt_tune.gate.compare import compare, first_result, settings_diff
 from ckpt_tune.gate.explain import FLAGS, explain, raise_for_status
+from ckpt_tune.plan.entry import plain
 from ckpt_tune.plan.file import Plan, load_plan
 from ckpt_tune.units import format_bytes, format_percent, parse_percent
 from ckpt_tune.vocab import OPTIMIZERS, PRECISIONS
@@ -133,7 +133,7 @@ def _plan_names(plan: str | Path | Plan | Sequence[str] | None) -> tuple[tuple[s
         return (), None
     if isinstance(plan, (str, Path, Plan, dict)):
         p = load_plan(plan)
-        return tuple(entry_data(e) for e in p.checkpoint), p
+        return plain(p.checkpoint), p
     return tuple(plan), None
 
 

@@ -91,6 +91,12 @@ def member_names(entries: Iterable[Any]) -> list[str]:
     return [n for e in entries for n in Entry.of(e).modules]
 
 
+def plain(entries: Iterable[Any]) -> tuple[str | tuple[str, ...], ...]:
+    """Entries as hashable data: a module name, or a tuple of names for a segment (a baseline's
+    settings, the result files of the benchmarks, the test harness)."""
+    return tuple(e.modules if e.is_segment else e.modules[0] for e in map(Entry.of, entries))
+
+
 def to_data(entries: Iterable[Entry]) -> list[str | list[str]]:
     """The data form of a list of entries (YAML, JSON, the harness of the tests)."""
     return [Entry.of(e).to_data() for e in entries]

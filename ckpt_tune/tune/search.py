@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
+from ckpt_tune import vocab
 from ckpt_tune.errors import NoFitError
 from ckpt_tune.measure.device import Budget, parse_budget, resolve_device
 from ckpt_tune.measure.session import Settings, build_runner, load, user_errors
@@ -71,7 +72,7 @@ def search(
         res.notes.extend(n for n in runner.notes if n not in res.notes)
     plan = Plan(
         target=t.spec,
-        device=device.split(":")[0],  # the kind: a plan made on cuda:1 applies on any CUDA device
+        device=vocab.device_kind(device),
         precision=step.precision,
         optimizer=step.optimizer,
         budget_bytes=budget.usable_bytes,
