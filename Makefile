@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-heavy setup lint clean
+.PHONY: demo test test-slow test-heavy zoo setup lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,12 @@ test-slow: $(STAMP)
 # the heavy members (minutes each; not part of `make test`): the README's Llama-2-7B and 24 GB searches
 test-heavy: $(STAMP)
 	$(BIN)/python -m pytest -q -m heavy
+
+# the conformance zoo (tests/zoo: torchvision, timm, transformers, peft, plain torch), every check
+# including the heavy searches, then its table: benchmarks/results/zoo.json and zoo.md (written even when
+# tests fail: a failing row is reported as failing); exits with pytest's status
+zoo: $(STAMP)
+	$(BIN)/python -m pytest -q tests/zoo -m ''; status=$$?; $(BIN)/python benchmarks/zoo.py && exit $$status
 
 lint: $(STAMP)
 	$(BIN)/ruff check ckpt_tune tests
