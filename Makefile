@@ -14,6 +14,8 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -e ".[dev,gpu]"
+	@# PyPI's torchvision extension is built for CUDA torch: let its pure-Python models import beside the CPU one
+	$(BIN)/python tests/torchvision_compat.py
 	touch $(STAMP)
 
 setup: $(STAMP)
