@@ -84,7 +84,7 @@ def test_finer_options_are_the_composite_children_every_block_has():
     from ckpt_tune.tune.candidates import find_sub_options
 
     vit = ZOO["vit_dropout"].build()
-    assert find_sub_options(vit, find_blocks(vit)) == ["attn", "mlp"]
+    assert find_sub_options(vit, find_blocks(vit)) == ["attn", "mlp", "attn+mlp"]
     assert find_sub_options(ZOO["cnn_bn"].build(), ["blocks.0", "blocks.1"]) == []
 
 

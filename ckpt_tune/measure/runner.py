@@ -409,6 +409,8 @@ class _Instrument:
 
     def _pre(self, name: str):
         def hook(mod, args, kwargs):
+            if _recomputing():
+                return
             mark(f"f>{name}")
             first = next(iter_tensors((args, kwargs)), None)
             # the previous block's output, untouched since (an in-place op keeps the object, not the version)
@@ -422,6 +424,8 @@ class _Instrument:
 
     def _post(self, name: str):
         def hook(mod, args, kwargs, out):
+            if _recomputing():
+                return
             if self.stack and self.stack[-1] == name:
                 self.stack.pop()
             mark(f"f<{name}")
@@ -446,6 +450,12 @@ class _Instrument:
     def _on_grad(self, p: torch.Tensor) -> None:
         if p.grad is not None:
             self.grad_ptrs.append(fake.fake_storage_key(p.grad))
+
+
+def _recomputing() -> bool:
+    """True while backward runs a forward again: a checkpointed module's recompute calls the marked
+    blocks inside it a second time, which is not a step of the forward (docs/design.md §4)."""
+    return torch._C._current_autograd_node() is not None
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,16 @@
 """Checkpoint candidates: which modules of a model the planner may choose (docs/design.md §4).
 
-The blocks are the children of `nn.ModuleList`/`nn.Sequential` containers that repeat one type and have
-parameters, outermost first, in registration order; finer options are the large sub-modules every
-block has (attention, MLP).
+A *block* is a child of an `nn.ModuleList`/`nn.Sequential` that repeats one type and has parameters
+(inside another block, see `_all_blocks`).
+Blocks nest: a ResNet stage (`stages.0`) is a block of `stages` and holds the residual blocks
+`stages.0.0`, `stages.0.1`; a Swin stage holds its attention blocks. The candidates form a tree:
+
+- the *leaves* are the innermost blocks (no block inside them): the chain the memory model cuts at,
+  and what "every block" means;
+- a *group* is a block with blocks inside it; checkpointing it whole covers its leaves as one run
+  (an interval of the chain, like a segment), and planning through it means choosing for its leaves.
+
+Finer options are the large sub-modules a leaf has (attention, MLP).
 """
 
 from __future__ import annotations
@@ -10,34 +18,114 @@ from __future__ import annotations
 from torch import nn
 
 
-def find_blocks(model: nn.Module) -> list[str]:
-    """Names of the repeated blocks a user would wrap, outermost first, in registration order."""
+def _all_blocks(model: nn.Module) -> list[str]:
+    """Names of every block at every nesting level, in registration order.
+
+    Inside a block, a container's children are blocks only when they are all of one type and are
+    more than a stack of layers (`_is_block_like`): a ResNet stage's residual blocks are, the
+    conv-norm-activation layers of a MobileNet block and the two Linears of an MLP are not. Whether they also
+    form a chain is seen when the step runs (`chain_of`)."""
     found: list[str] = []
     for name, mod in model.named_modules():
         if not isinstance(mod, (nn.ModuleList, nn.Sequential)):
             continue
         children = list(mod.named_children())
         types = [type(c) for _, c in children]
+        inner = any(_inside(name, f) for f in found)
+        if inner and (len(set(types)) != 1 or not all(_is_block_like(c) for _, c in children)):
+            continue
         for cname, child in children:
-            if types.count(type(child)) >= 2 and sum(1 for _ in child.parameters()) > 0:
-                full = f"{name}.{cname}" if name else cname
-                if not any(full.startswith(f + ".") for f in found):
-                    found.append(full)
-    # a block nested in another found block is a finer option, not a chain member
-    return [f for f in found if not any(f != g and f.startswith(g + ".") for g in found)]
+            if types.count(type(child)) >= 2 and any(True for _ in child.parameters()):
+                found.append(f"{name}.{cname}" if name else cname)
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    return sorted(found, key=order.__getitem__)
+
+
+def _is_block_like(module: nn.Module) -> bool:
+    """Has sub-modules, and is not a plain Sequential of single layers (conv, norm, activation)."""
+    children = list(module.children())
+    if not children:
+        return False
+    return not (isinstance(module, nn.Sequential) and all(not any(True for _ in c.children()) for c in children))
+
+
+def _inside(name: str, group: str) -> bool:
+    return name.startswith(group + ".")
+
+
+def find_blocks(model: nn.Module) -> list[str]:
+    """The innermost blocks (the leaves of the candidate tree), in registration order."""
+    every = _all_blocks(model)
+    return [b for b in every if not any(_inside(o, b) for o in every)]
+
+
+def find_groups(model: nn.Module) -> dict[str, list[str]]:
+    """Each block that holds blocks -> its leaves, in registration order, outermost groups first."""
+    every = _all_blocks(model)
+    leaves = [b for b in every if not any(_inside(o, b) for o in every)]
+    return {g: [b for b in leaves if _inside(b, g)] for g in every if any(_inside(o, g) for o in every)}
+
+
+def chain_of(leaves: list[str], groups: dict[str, list[str]], runs_once, linked) -> list[str]:
+    """The units of the chain: the leaves, except that a group whose leaves are not a chain of blocks
+    run once per step (experts picked by a router, a block called twice, branches fed the same input)
+    is taken whole, as one unit. `runs_once(name)`, `linked(name)` (its input is the previous block's
+    output) tell, from a recorded step; the caller orders and checks the chain."""
+    units = list(leaves)
+    # innermost groups first, so an outer group replaces what an inner one already replaced
+    for g in sorted(groups, key=lambda x: -x.count(".")):
+        mine = [u for u in units if _inside(u, g)]
+        if mine and not (all(runs_once(u) for u in mine) and all(linked(u) for u in mine[1:])):
+            at = units.index(mine[0])
+            units = [u for u in units if u not in mine]
+            units.insert(at, g)
+    return units
+
+
+def group_spans(units: tuple[str, ...], groups: dict[str, list[str]]) -> dict[tuple[int, int], str]:
+    """(first, last) unit index -> group name, for every group whose units form a run of two or more
+    of the chain and are all its units (a group checkpointed whole stores none of them). Where two
+    groups cover the same run (a stage that is nothing but its `blocks` list), the outer one is kept."""
+    spans: dict[tuple[int, int], str] = {}
+    for g in sorted(groups, key=lambda x: x.count("."), reverse=True):
+        idx = [i for i, u in enumerate(units) if _inside(u, g)]
+        if len(idx) >= 2 and idx == list(range(idx[0], idx[-1] + 1)):
+            spans[(idx[0], idx[-1])] = g  # outer groups come last and win
+    return spans
 
 
 _NOT_WORTH_A_CHECKPOINT = (nn.LayerNorm, nn.Dropout, nn.Embedding, nn.modules.batchnorm._NormBase)
+MAX_SUB_OPTIONS = 3  # finer options kept (each costs one recorded step per probed batch)
+
+
+def sub_options_of(module: nn.Module) -> list[str]:
+    """Relative names of a block's large sub-modules (attention, MLP): composite children (two or
+    more submodules, with parameters) other than its only one, which a user can checkpoint instead
+    of the whole block."""
+    children = list(module.named_children())
+    return [
+        n for n, c in children
+        if len(children) > 1 and len(list(c.children())) >= 2 and any(True for _ in c.parameters())
+        and not isinstance(c, (*_NOT_WORTH_A_CHECKPOINT, nn.ModuleList, nn.ModuleDict))
+    ]
 
 
 def find_sub_options(model: nn.Module, blocks: list[str] | tuple[str, ...]) -> list[str]:
-    """Relative names of the large sub-modules every block has (attention, MLP): composite children
-    (two or more submodules, with parameters), which a user can checkpoint instead of the whole block."""
-    common: list[str] | None = None
-    for b in blocks:
-        names = [
-            n for n, c in model.get_submodule(b).named_children()
-            if len(list(c.children())) >= 2 and any(True for _ in c.parameters()) and not isinstance(c, _NOT_WORTH_A_CHECKPOINT)
-        ]
-        common = names if common is None else [n for n in common if n in names]
-    return common or []
+    """The finer options of the planner: sub-module names that at least half the blocks (and two) have,
+    in first-seen order, and `a+b` (both checkpointed, each on its own) for the first two when blocks
+    have both. A block without an option cannot take it (memory_model.py prices it out)."""
+    per_block = [sub_options_of(model.get_submodule(b)) for b in blocks]
+    seen: list[str] = []
+    for names in per_block:
+        seen += [n for n in names if n not in seen]
+    need = max(2, (len(blocks) + 1) // 2)
+    kept = [n for n in seen if sum(n in names for names in per_block) >= need][:MAX_SUB_OPTIONS]
+    if len(kept) >= 2 and sum(kept[0] in names and kept[1] in names for names in per_block) >= need:
+        kept.append(f"{kept[0]}+{kept[1]}")
+    return kept
+
+
+def has_sub_option(model: nn.Module, block: str, option: str) -> bool:
+    """Whether the block has every sub-module an option names (`a+b`: both)."""
+    names = sub_options_of(model.get_submodule(block))
+    return all(part in names for part in option.split("+"))

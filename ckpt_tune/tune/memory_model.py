@@ -82,16 +82,24 @@ def with_segment(choice: tuple[int, ...], i: int, j: int) -> tuple[int, ...]:
     return (*choice[:i], *segment_code(i, j), *choice[j + 1 :])
 
 
-def plan_entries(units, options, choice: tuple[int, ...]) -> tuple[Entry, ...]:
+def plan_entries(units, options, choice: tuple[int, ...], groups: dict[tuple[int, int], str] | None = None) -> tuple[Entry, ...]:
     """Plan entries for a choice (docs/design.md §7): the block for option 1, `block.<sub>` for options
-    2.., and the run of the blocks' names for a segment."""
+    2.. (one entry per sub-module of an option named `a+b`), for a run i..j the group module whose
+    units they are (`groups`), else the run of the blocks' names (a segment)."""
     out: list[Entry] = []
     for i, (u, c) in enumerate(zip(units, choice)):
         if c < SEGMENT_MEMBER:
-            out.append(Entry(tuple(units[i : i - c])))
-        elif c > 0:
-            out.append(Entry((u if c == 1 else f"{u}.{options[c]}",)))
+            group = (groups or {}).get((i, i - c - 1))
+            out.append(Entry((group,)) if group else Entry(tuple(units[i : i - c])))
+        elif c == 1:
+            out.append(Entry((u,)))
+        elif c > 1:
+            out.extend(Entry((f"{u}.{sub}",)) for sub in options[c].split("+"))
     return tuple(out)
+
+
+# Terms of an option a block does not have (a sub-module it lacks): no plan can afford it.
+UNAVAILABLE = 1 << 60
 
 
 @dataclass(frozen=True)
@@ -105,13 +113,15 @@ class Terms:
     measured: dict[tuple[int, ...], int] = field(default_factory=dict, compare=False)  # config -> peak
     options: tuple[str, ...] = ("none", "block")  # option k >= 2 checkpoints sub-module options[k] of each block
     segments: dict[tuple[int, int], SegmentTerms] = field(default_factory=dict, compare=False)
+    # runs (i, j) that are all the units of one group module: checkpointed as that module (candidates.py)
+    groups: dict[tuple[int, int], str] = field(default_factory=dict, compare=False)
 
     @property
     def k(self) -> int:
         return len(self.options)
 
     def names(self, choice: tuple[int, ...]) -> tuple[Entry, ...]:
-        return plan_entries(self.units, self.options, choice)
+        return plan_entries(self.units, self.options, choice, self.groups)
 
     def interpolate(self, other: Terms, batch_size: int) -> Terms:
         """Terms at another batch size, linear through self and other (rounded up: never optimistic)."""
@@ -134,7 +144,7 @@ class Terms:
         }
         return Terms(
             batch_size, self.units, self.static, lin(self.base, other.base), lin(self.fixed, other.fixed), blocks,
-            options=self.options, segments=segments,
+            options=self.options, segments=segments, groups=self.groups,
         )
 
 
@@ -211,8 +221,9 @@ def segment_terms(cut: RunCut, i: int, j: int, prev: int, k: int, known: Segment
     return SegmentTerms(put(base.d, d), put(base.F, f), put(base.B, b), base.measured | {prev})
 
 
-def probe_configs(n: int, k: int = 2) -> dict[str, tuple[int, ...]]:
-    """Runs that observe every (s_prev, s_own) pair of options 0/1, and (k, k) of each finer option."""
+def probe_configs(n: int, k: int = 2, has=None) -> dict[str, tuple[int, ...]]:
+    """Runs that observe every (s_prev, s_own) pair of options 0/1, and (k, k) of each finer option.
+    `has(i, option)`: whether block i has that finer option (a block without it stays stored in its run)."""
     runs = {
         "none": (0,) * n,
         "all": (1,) * n,
@@ -220,7 +231,7 @@ def probe_configs(n: int, k: int = 2) -> dict[str, tuple[int, ...]]:
         "odd": tuple(i % 2 for i in range(n)),
     }
     for opt in range(2, k):
-        runs[f"option{opt}"] = (opt,) * n
+        runs[f"option{opt}"] = tuple(opt if has is None or has(i, opt) else 0 for i in range(n))
     return runs
 
 
@@ -277,6 +288,7 @@ def combine(
     Pairs no run shows involve a finer option (k >= 2), which keeps the block's input and output as
     option 0 does: (p, k) = (k, k) shifted by how predecessor p changes option 0, i.e. + (p', 0) - (0, 0)
     with p' = p for p in {0, 1} and 0 otherwise; (k, q) = (0, q) for q in {0, 1}; (j, k) = (k, k).
+    A block whose runs never show option k (it has no such sub-module) gets UNAVAILABLE terms for it.
     """
     n, K = len(units), len(options)
     blocks = []
@@ -290,16 +302,22 @@ def combine(
         for prev, own in [(0, 0), (0, 1), (1, 0), (1, 1)]:
             if (prev, own) not in vals:
                 raise ValueError(f"probe runs miss pair {(prev, own)} of block {units[i]}")
+
+        def shift(p: int) -> list[int]:
+            q = p if p in (0, 1) else 0
+            return [a - b for a, b in zip(vals[(q, 0)], vals[(0, 0)])]
+
         for own in range(2, K):
-            same = vals[(own, own)]
-            for prev in range(K):
-                if (prev, own) in vals:
-                    continue
-                if prev in (0, 1):
-                    shift = [a - b for a, b in zip(vals[(prev, 0)], vals[(0, 0)])]
-                    vals[(prev, own)] = tuple(x + y for x, y in zip(same, shift))
-                else:
-                    vals[(prev, own)] = same
+            seen = [p for p in range(K) if (p, own) in vals]
+            if not seen:  # block i lacks this option: priced out
+                for prev in range(K):
+                    vals[(prev, own)] = (UNAVAILABLE,) * 3
+            else:
+                # (p, own) = (own, own) + shift(p); (own, own) from the pair the option's run showed
+                p0 = own if own in seen else seen[0]
+                same = [x - y for x, y in zip(vals[(p0, own)], shift(p0))]
+                for prev in range(K):
+                    vals.setdefault((prev, own), tuple(x + y for x, y in zip(same, shift(prev))))
             for q in (0, 1):
                 vals.setdefault((own, q), vals[(0, q)])
         order = [(p, o) for p in range(K) for o in range(K)]

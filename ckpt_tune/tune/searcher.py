@@ -22,7 +22,7 @@ from ckpt_tune.errors import NoFitError, UserCodeError
 from ckpt_tune.measure.runner import StepRunner, unique_bytes
 from ckpt_tune.plan.entry import Entry, member_names, to_data
 from ckpt_tune.plan.segment import available as segment_available
-from ckpt_tune.tune.candidates import find_blocks, find_sub_options
+from ckpt_tune.tune.candidates import chain_of, find_blocks, find_groups, find_sub_options, group_spans, has_sub_option
 from ckpt_tune.tune.memory_model import (
     SegmentTerms,
     Terms,
@@ -108,6 +108,9 @@ class Searcher:
         self.world_size, self.shard = check_shard(world_size, shard)
         self.progress = progress or (lambda msg: None)
         self.units = tuple(units if units is not None else find_blocks(runner.model))
+        # blocks that hold blocks (candidates.py): checkpointed whole, they cover a run of the chain
+        self.groups: dict[str, list[str]] = {} if units is not None else find_groups(runner.model)
+        self.spans: dict[tuple[int, int], str] = {}
         self.options: tuple[str, ...] = ("none", "block")
         self.b1, self.b2 = 1, 4  # the two small batch sizes every search probes
         self.notes: list[str] = []
@@ -116,11 +119,16 @@ class Searcher:
 
     # -- measurements ---------------------------------------------------------------------
     def order_units(self, batch_size: int) -> None:
-        """Keep blocks that run once per step in a chain; order them by execution."""
-        m = self.runner.measure(batch_size, units=self.units)
+        """Keep blocks that run once per step in a chain; order them by execution. A group whose
+        blocks do not form a chain of their own is one unit (candidates.chain_of)."""
+        m = self.runner.measure(batch_size, units=(*self.units, *self.groups))
         self.runs += 1
         mk = m.timeline.markers
-        ok = [u for u in self.units if len(mk.get("f>" + u, [])) == 1 and len(mk.get("b>" + u, [])) == 1]
+
+        def runs_once(u: str) -> bool:
+            return len(mk.get("f>" + u, [])) == 1 and len(mk.get("b>" + u, [])) == 1
+
+        ok = [u for u in chain_of(list(self.units), self.groups, runs_once, lambda u: u in m.chained) if runs_once(u)]
         ok.sort(key=lambda u: mk["f>" + u][0])
         # backward must visit them in reverse forward order, each forward must end before the next starts
         chain: list[str] = []
@@ -129,19 +137,25 @@ class Searcher:
                 continue
             chain.append(u)
         self.units = tuple(chain)
+        self.spans = group_spans(self.units, {g: v for g, v in self.groups.items() if g not in self.units})
         self.options = ("none", "block", *find_sub_options(self.runner.model, self.units))
+        keys: set[tuple[int, int]] = set(self.spans)
         if self.use_segments:
             # a segment may span blocks called as a chain: each one's input is the previous one's output
             linked = [u in m.chained for u in self.units]
             n = len(self.units)
             longest = max(2, min(MAX_SEGMENT, SEGMENT_WORK // max(n, 1)))
-            self.segment_keys = tuple(
+            keys |= {
                 (i, j) for i in range(n) for j in range(i + 1, min(i + longest, n)) if all(linked[i + 1 : j + 1])
-            )
+            }
+        self.segment_keys = tuple(sorted(keys))
+
+    def _has(self, i: int, option: int) -> bool:
+        return has_sub_option(self.runner.model, self.units[i], self.options[option])
 
     def names(self, choice: tuple[int, ...]) -> list[Entry]:
         """Plan entries of a choice (memory_model.plan_entries)."""
-        return list(plan_entries(self.units, self.options, choice))
+        return list(plan_entries(self.units, self.options, choice, self.spans))
 
     def costs(self, batch_size: int) -> tuple[tuple[float, ...], ...]:
         """Recompute cost of each block's options: the checkpointed module's forward time (ms) at this batch."""
@@ -161,10 +175,11 @@ class Searcher:
                 torch.cuda.empty_cache()
                 self.notes.append(f"batch {batch_size}: the plain step does not fit the device; times scaled from batch {self.b2}")
                 t, scale = self.runner.time_step(self.b2, repeats=3), batch_size / self.b2
-            costs = tuple(
-                (0.0, *(scale * max(t.forward_ms.get(u if k == 1 else f"{u}.{self.options[k]}", 0.0), 1e-6) for k in range(1, len(self.options))))
-                for u in self.units
-            )
+            def cost(u: str, k: int) -> float:
+                mods = [u] if k == 1 else [f"{u}.{sub}" for sub in self.options[k].split("+")]
+                return scale * max(sum(t.forward_ms.get(x, 0.0) for x in mods), 1e-6)
+
+            costs = tuple((0.0, *(cost(u, k) for k in range(1, len(self.options)))) for u in self.units)
             self._costs[batch_size] = (costs, scale * t.step_ms)
         return self._costs[batch_size]
 
@@ -185,10 +200,11 @@ class Searcher:
         the probes run two micro-batches and are cut at the second, where every gradient is live (as
         in every later micro-batch); the first is part of the iteration's fixed term."""
         if batch_size not in self._terms:
-            self.progress(f"probing batch {batch_size} ({len(probe_configs(len(self.units), len(self.options)))} recorded steps)")
+            configs = probe_configs(len(self.units), len(self.options), self._has)
+            self.progress(f"probing batch {batch_size} ({len(configs)} recorded steps)")
             cuts = []
             static = 0
-            for choice in probe_configs(len(self.units), len(self.options)).values():
+            for choice in configs.values():
                 names = self.names(choice)
                 try:
                     m = self.runner.measure(batch_size, checkpoint=names, units=self.units, accum_steps=self._kind)
@@ -208,7 +224,7 @@ class Searcher:
                 cut = cut_run(tl.live_at, tl.max_between, tl.markers, self.units, choice, pick=-1)
                 cuts.append(cut)
                 static = m.static_bytes
-            t = combine(cuts, self.units, static, batch_size, self.options)
+            t = replace(combine(cuts, self.units, static, batch_size, self.options), groups=self.spans)
             t = self._with_segments(t)
             if self.world_size > 1:
                 params, opt, _grads = self.runner.state_bytes()
@@ -382,9 +398,10 @@ class Searcher:
                 try:
                     verified[sol.choice] = self.verify(b, tuple(sol.names(self.terms(b))), sol.choice)
                 except UserCodeError as e:
-                    if not segs or "CheckpointError" not in str(e):
+                    runs = [key for key in segs if key not in self.spans]  # a group is one module's checkpoint
+                    if not runs or "CheckpointError" not in str(e):
                         raise
-                    self._forbid_segments(segs, str(e))  # the model runs code between these blocks
+                    self._forbid_segments(runs, str(e))  # the model runs code between these blocks
                     continue
                 if estimated:
                     # the segments' terms are measured now: solve again on them before trusting the plan
@@ -403,7 +420,9 @@ class Searcher:
         """Drop segments whose recompute did not repeat the forward (code between their blocks saved
         tensors for backward): every segment spanning the same blocks' links goes."""
         links = {k for i, j in segs for k in range(i + 1, j + 1)}
-        self.segment_keys = tuple(key for key in self.segment_keys if not links & set(range(key[0] + 1, key[1] + 1)))
+        self.segment_keys = tuple(
+            key for key in self.segment_keys if key in self.spans or not links & set(range(key[0] + 1, key[1] + 1))
+        )
         keep = set(self.segment_keys)
         for b, t in self._terms.items():
             self._terms[b] = replace(t, segments={k: v for k, v in t.segments.items() if k in keep})
