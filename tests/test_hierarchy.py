@@ -37,7 +37,8 @@ def test_layer_stacks_inside_a_block_are_not_blocks():
     """Two Linears of an MLP, or a Sequential of conv-norm-activation inside a block, are layers."""
     unet = TARGETS["nested_unet"].build()
     blocks = find_blocks(unet)
-    assert "encoder.0.0" in blocks and not any(".conv1." in b for b in blocks)
+    assert "encoder.0.0" in blocks
+    assert not any(".conv1." in b for b in blocks)
     assert find_sub_options(unet, blocks)[:2] == ["conv1", "conv2"]
 
 

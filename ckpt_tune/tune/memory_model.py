@@ -303,7 +303,7 @@ def combine(
             if (prev, own) not in vals:
                 raise ValueError(f"probe runs miss pair {(prev, own)} of block {units[i]}")
 
-        def shift(p: int) -> list[int]:
+        def shift(p: int, vals=vals) -> list[int]:
             q = p if p in (0, 1) else 0
             return [a - b for a, b in zip(vals[(q, 0)], vals[(0, 0)])]
 

@@ -22,7 +22,14 @@ from ckpt_tune.errors import NoFitError, UserCodeError
 from ckpt_tune.measure.runner import StepRunner, unique_bytes
 from ckpt_tune.plan.entry import Entry, member_names, to_data
 from ckpt_tune.plan.segment import available as segment_available
-from ckpt_tune.tune.candidates import chain_of, find_blocks, find_groups, find_sub_options, group_spans, has_sub_option
+from ckpt_tune.tune.candidates import (
+    chain_of,
+    find_blocks,
+    find_groups,
+    find_sub_options,
+    group_spans,
+    has_sub_option,
+)
 from ckpt_tune.tune.memory_model import (
     SegmentTerms,
     Terms,
