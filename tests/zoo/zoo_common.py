@@ -55,14 +55,20 @@ def quiet_transformers():
 
 
 def import_torchvision():
-    """torchvision, through tests/torchvision_compat.py (PyPI's 0.28.0 extension is linked against CUDA
-    torch: beside the CPU torch its registrations are skipped). Loaded from its file, so a target file
-    imports it whether or not the repository root is on sys.path (the CLI puts only tests/zoo there)."""
-    if "torchvision" not in sys.modules:
+    """torchvision beside the CPU torch. PyPI's 0.28.0 extension is linked against CUDA torch; `make setup`
+    installs tests/torchvision_compat.py as a start-up hook that skips its op registrations then. Where the
+    hook is not installed, the module is loaded from its file and applied here (the CLI puts only
+    tests/zoo on sys.path, so `tests` may not be importable)."""
+    if "torchvision" not in sys.modules and "_ckpt_tune_torchvision_compat" not in sys.modules:
         path = Path(__file__).resolve().parents[1] / "torchvision_compat.py"
         spec = importlib.util.spec_from_file_location("_zoo_torchvision_compat", path)
-        spec.loader.exec_module(importlib.util.module_from_spec(spec))
-    return sys.modules["torchvision"]
+        compat = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(compat)
+        if hasattr(compat, "apply"):
+            compat.apply()
+    import torchvision
+
+    return torchvision
 
 
 def import_timm():
