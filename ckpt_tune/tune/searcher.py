@@ -1,7 +1,7 @@
 """`search`: the largest batch that fits a budget, the cheapest checkpoint plan that reaches it, verified.
 
-1. Candidates: the repeated blocks of the model (children of ModuleList/Sequential containers with
-   several entries of one type), outermost first, in execution order.
+1. Candidates (candidates.py): the innermost repeated blocks of the model as a chain in execution
+   order, and the blocks holding them (groups) as runs of it checkpointed whole.
 2. Probe: four recorded runs (none / all / even / odd checkpointed) at a batch size give the memory
    model's terms (memory_model.py); two batch sizes give them as a line in batch size.
 3. Outer search over batch sizes on the fitted terms, then re-probe at the chosen batch itself, so the
