@@ -3,7 +3,8 @@ allocate nothing (docs/design.md §3). Recording them is fake.py's job."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -12,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ckpt_tune.measure import loader
-from ckpt_tune.measure.fake import fake_mode, note_new, running
+from ckpt_tune.measure.fake import fake_errors, fake_mode, note_new, running
 
 
 def to_fake(obj: Any) -> Any:
@@ -26,19 +27,40 @@ def to_fake(obj: Any) -> Any:
 
 
 def _fakeify_module(model: nn.Module) -> None:
-    """Replace real parameters and buffers the user's build left (made outside dispatch) with fake ones."""
+    """Replace the real and meta parameters and buffers the build left with fake ones, ties kept.
+
+    Meta tensors (from `_meta_registration`) become fake tensors on the CPU, where fake mode runs the
+    step (docs/design.md §3). Attributes that hold the old tensors besides the module's own tables
+    (an RNN's `_flat_weights`) are pointed at the new ones.
+    """
     mode = fake_mode()
-    done: dict[int, torch.Tensor] = {}  # keeps tied weights tied
+    done: dict[int, torch.Tensor] = {}  # id(old) -> new: keeps tied weights tied
+
+    def fake_of(t: torch.Tensor, param: bool) -> torch.Tensor:
+        if id(t) not in done:
+            if t.is_meta:
+                with mode:
+                    new = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+            else:
+                new = mode.from_tensor(t.detach())
+            done[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if param else new
+        return done[id(t)]
+
     for mod in model.modules():
         for name, p in list(mod._parameters.items()):
             if p is not None and not isinstance(p, FakeTensor):
-                if id(p) not in done:
-                    done[id(p)] = nn.Parameter(mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
-                mod._parameters[name] = done[id(p)]
+                mod._parameters[name] = fake_of(p, param=True)
         for name, b in list(mod._buffers.items()):
             if b is not None and not isinstance(b, FakeTensor):
-                done.setdefault(id(b), mode.from_tensor(b))
-                mod._buffers[name] = done[id(b)]
+                mod._buffers[name] = fake_of(b, param=False)
+    if not done:
+        return
+    for mod in model.modules():
+        for key, value in list(vars(mod).items()):
+            if isinstance(value, torch.Tensor) and id(value) in done:
+                setattr(mod, key, done[id(value)])
+            elif isinstance(value, list) and any(isinstance(v, torch.Tensor) and id(v) in done for v in value):
+                value[:] = [done.get(id(v), v) if isinstance(v, torch.Tensor) else v for v in value]
 
 
 def to_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -59,9 +81,57 @@ def to_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return model
 
 
+@contextlib.contextmanager
+def _meta_registration() -> Iterator[None]:
+    """While open, every parameter and buffer a module registers moves to the meta device at once.
+
+    The approach of accelerate's `init_empty_weights`. The constructor runs on real tensors, so what it
+    computes on the side stays real and exact (stochastic-depth rates from `torch.linspace(...).tolist()`
+    in ConvNeXt, Swin and ViT, index tables); what becomes model state is meta before any initialiser
+    runs on it (torch's initialisers skip meta tensors). The real tensor a constructor makes first is an
+    untouched `torch.empty` (the allocator maps pages only when they are written), freed on replacement.
+    A tensor registered twice (tied weights) maps to one meta tensor. docs/design.md §3.
+    """
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(real) -> (real, meta); real kept: ids stay unique
+
+    def to_meta(t: torch.Tensor, param: bool) -> torch.Tensor:
+        if id(t) not in made:
+            meta = t.detach().to("meta")
+            made[id(t)] = (t, nn.Parameter(meta, requires_grad=t.requires_grad) if param else meta)
+        return made[id(t)][1]
+
+    def on_parameter(_module: nn.Module, _name: str, p: Any) -> Any:
+        # parameter subclasses (quantised weights) keep their type: converted after the build
+        if p is None or isinstance(p, FakeTensor) or p.is_meta or type(p) is not nn.Parameter:
+            return None
+        return to_meta(p, param=True)
+
+    def on_buffer(_module: nn.Module, _name: str, b: Any) -> Any:
+        if b is None or isinstance(b, FakeTensor) or b.is_meta or type(b) not in (torch.Tensor, nn.Buffer):
+            return None
+        return to_meta(b, param=False)
+
+    handles = [
+        nn.modules.module.register_module_parameter_registration_hook(on_parameter),
+        nn.modules.module.register_module_buffer_registration_hook(on_buffer),
+    ]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        made.clear()
+
+
 def build_fake_model(target: loader.Target) -> nn.Module:
-    """The target's model with fake parameters and buffers: built under the fake mode, allocating nothing."""
-    with running():
+    """The target's model with fake parameters and buffers, allocating nothing (docs/design.md §3).
+
+    Built on real tensors with each parameter and buffer moved to the meta device as it is registered
+    (`_meta_registration`), then made fake: a build under the fake mode itself fails on constructors
+    that read a small tensor they computed (`torch.linspace(0, rate, n).tolist()`) or that initialise by
+    rejection sampling (`nn.init.trunc_normal_`).
+    """
+    with fake_errors(), _meta_registration():
         model = loader.build_model(target)
     _fakeify_module(model)
     return model
