@@ -25,9 +25,8 @@ def _torchvision():
     timm and transformers import it too, so they go through here first."""
     if importlib.util.find_spec("torchvision") is None:
         pytest.skip("torchvision is not installed")
-    from tests.torchvision_compat import torchvision
-
-    return torchvision
+    importlib.import_module("tests.torchvision_compat")  # applies itself on import, before torchvision
+    return importlib.import_module("torchvision")
 
 
 def _logits_ce(model, batch):
