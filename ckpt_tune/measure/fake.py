@@ -166,8 +166,37 @@ def fake_errors() -> Iterator[None]:
 @contextlib.contextmanager
 def running() -> Iterator[FakeTensorMode]:
     """The fake mode, entered, with FakeModeError translation: wrap each iteration (warm-up too) in it."""
-    with fake_errors(), fake_mode() as mode, _MetaGaps():
+    with fake_errors(), fake_mode() as mode, _MetaGaps(), _eager_hf_masks():
         yield mode
+
+
+@contextlib.contextmanager
+def _eager_hf_masks() -> Iterator[None]:
+    """Hugging Face models take a fake tensor for a sign of tracing (torch.export) and then build the
+    attention mask they skip in eager runs: `find_packed_sequence_indices` cannot read the position ids,
+    so every step would materialise a (batch, 1, T, T) mask and run attention with it (and repeat the
+    key/value heads of grouped-query attention instead of passing them as they are). A real run of
+    sequences that are not packed finds no packing and skips that mask; under fake tensors the position
+    ids are taken as not packed, as in that run (docs/design.md §3). Only while recording, and only
+    where transformers is already imported."""
+    import sys
+
+    masking = sys.modules.get("transformers.masking_utils")
+    find = getattr(masking, "find_packed_sequence_indices", None)
+    if find is None:
+        yield
+        return
+
+    def unpacked_if_fake(position_ids, *args, **kwargs):
+        if isinstance(position_ids, FakeTensor):
+            return None
+        return find(position_ids, *args, **kwargs)
+
+    masking.find_packed_sequence_indices = unpacked_if_fake
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = find
 
 
 # --- ops whose meta kernel rejects what the CPU kernel runs ------------------------------------------
