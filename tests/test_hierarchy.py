@@ -171,3 +171,15 @@ def test_groups_are_planned_without_segments():
     assert replace(Terms(1, s.units, 0, 0, 0, ()), groups=s.spans).names(with_segment((0,) * 6, 2, 3)) == (
         Entry(("stages.1",)),
     )
+
+
+def test_a_model_that_cannot_train_on_one_sample_is_searched_from_batch_two():
+    """BatchNorm over a 1x1 feature map needs two samples: torchvision's ResNet on 32x32 images, or this
+    one on 4x4. The search starts at batch 2 instead of stopping with the model's error at batch 1."""
+    from tests.nested_models import NestedResNet, _ce, _images
+
+    tiny = _images(4, 10)
+    with StepRunner(NestedResNet(), tiny, _ce) as runner:
+        res = Searcher(runner).search(8 << 20)
+    assert res.batch_size >= 2
+    assert any("batches start at 2" in n for n in res.notes)

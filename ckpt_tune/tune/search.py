@@ -62,7 +62,7 @@ def search(
         res = searcher.search(budget.usable_bytes, batch_size=fixed)
         if target_batch is not None:
             res = _fit_target_batch(searcher, res, target_batch, budget.usable_bytes)
-        b1, b2 = 1, 4
+        b1, b2 = searcher.b1, searcher.b2
         sizes = sorted({b1, b2, max(1, res.batch_size // 2), res.batch_size, res.batch_size + 1})
         res.frontier = searcher.frontier(budget.usable_bytes, sizes, b1, b2, res.batch_size)
         res.frontier = [

@@ -57,6 +57,8 @@ SKIP_MARGIN = 0.02
 # work (blocks × segment lengths) interactive.
 MAX_SEGMENT = 8
 SEGMENT_WORK = 640
+# What torch says when BatchNorm meets one value per channel (a batch of 1 on a 1x1 feature map).
+ONE_SAMPLE_FAILS = "more than 1 value per channel"
 # Plans with estimated segment terms verified per batch before segments not yet measured are dropped.
 SEGMENT_TRIALS = 4
 
@@ -314,9 +316,9 @@ class Searcher:
         def fits(b: int) -> bool:
             return min_peak(self.fitted(b, b1, b2), costs).peak <= budget
 
-        if not fits(1):
+        if not fits(b1):
             return 0
-        lo, hi = 1, 2
+        lo, hi = b1, 2 * b1
         while hi <= MAX_BATCH and fits(hi):
             lo, hi = hi, hi * 2
         hi = min(hi, MAX_BATCH + 1)
@@ -342,9 +344,9 @@ class Searcher:
                 seen[b] = self._min_peak_at(b, b1)
             return seen[b]
 
-        lo, hi = (b2, None) if peak(b2) <= budget else (1, b2)
+        lo, hi = (b2, None) if peak(b2) <= budget else (b1, b2)
         if peak(lo) > budget:
-            raise self._no_fit(budget, 1)
+            raise self._no_fit(budget, b1)
         b = min(max(guess, lo + 1), hi - 1) if hi is not None else max(guess, lo + 1)
         for _ in range(16):
             if hi is not None and hi - lo <= 1:
@@ -379,13 +381,22 @@ class Searcher:
     def feasible_at(self, b: int, budget: int) -> Solution | None:
         return solve(self.terms(b), self.costs(b), budget)
 
-    def search(self, budget: int, batch_size: int | None = None, b1: int = 1, b2: int = 4) -> SearchResult:
-        self.b1, self.b2 = b1, b2
-        self.order_units(b1)
+    def search(self, budget: int, batch_size: int | None = None, b1: int | None = None, b2: int | None = None) -> SearchResult:
+        self.b1, self.b2 = b1 or self.b1, b2 or self.b2
+        try:
+            self.order_units(self.b1)
+        except Exception as e:  # raised by the user's model (session.user_errors words it for the user)
+            if self.b1 != 1 or ONE_SAMPLE_FAILS not in str(e):
+                raise
+            # BatchNorm over a 1x1 feature map cannot train on one sample: the smallest batch is 2
+            self.notes.append("batch 1 cannot train this model (BatchNorm needs more than one value per channel): batches start at 2")
+            self.b1 = 2
+            self.order_units(self.b1)
+        b1, b2 = self.b1, self.b2
         if batch_size is None:
             guess = self.largest_fitting(budget, b1, b2)
             if guess == 0:
-                raise self._no_fit(budget, 1)
+                raise self._no_fit(budget, b1)
             b = self._settle(guess, budget, b1, b2)
         else:
             b = batch_size
@@ -395,7 +406,7 @@ class Searcher:
         for _ in range(4 * 8):
             sol = solve(self.terms(b), self.costs(b), room)
             if sol is None or tightened >= MAX_TIGHTENINGS:
-                if batch_size is None and b > 1:  # this batch does not fit after all: one smaller
+                if batch_size is None and b > b1:  # this batch does not fit after all: one smaller
                     b, room, tightened, verified, trials = b - 1, budget, 0, {}, 0
                     continue
                 raise self._no_fit(budget, b)
