@@ -246,6 +246,8 @@ class RunCut:
     F: tuple[int, ...]
     B: tuple[int, ...]
     peak_above_static: int
+    before: int = 0  # max live before f>u_0 (fixed = max(before, after))
+    after: int = 0  # max live from the end of backward through the optimizer step
 
 
 def cut_run(live_at, max_between, markers: dict[str, list[int]], units: tuple[str, ...], choice, pick: int = 0) -> RunCut:
@@ -275,9 +277,9 @@ def cut_run(live_at, max_between, markers: dict[str, list[int]], units: tuple[st
         t0 = t_b[i]
         t1 = t_b[i - 1] if i > 0 else t_bwd_end
         B.append(max_between(t0, t1)[0] - base - prefix[i])
-    fixed = max(max_between(t_iter, t_f[0])[0], max_between(t_bwd_end, t_end + 1)[0])
+    before, after = max_between(t_iter, t_f[0])[0], max_between(t_bwd_end, t_end + 1)[0]
     peak = max_between(t_iter, t_end + 1)[0]
-    return RunCut(tuple(choice), base, fixed, tuple(d), tuple(F), tuple(B), peak)
+    return RunCut(tuple(choice), base, max(before, after), tuple(d), tuple(F), tuple(B), peak, before, after)
 
 
 def combine(

@@ -13,13 +13,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
 from ckpt_tune.errors import NoFitError, UserCodeError
-from ckpt_tune.measure.runner import StepRunner, unique_bytes
+from ckpt_tune.measure.runner import StepRunner, Timing, unique_bytes
 from ckpt_tune.plan.entry import Entry, member_names, to_data
 from ckpt_tune.plan.segment import available as segment_available
 from ckpt_tune.tune.candidates import (
@@ -31,6 +33,7 @@ from ckpt_tune.tune.candidates import (
     has_sub_option,
 )
 from ckpt_tune.tune.memory_model import (
+    RunCut,
     SegmentTerms,
     Terms,
     combine,
@@ -43,6 +46,17 @@ from ckpt_tune.tune.memory_model import (
     segments_of,
 )
 from ckpt_tune.tune.planner import Solution, min_peak, solve
+from ckpt_tune.tune.repeats import (
+    NotRepeated,
+    Repeat,
+    check_against,
+    count_flops,
+    extend,
+    extend_forward,
+    extended_fixed,
+    find_repeat,
+    shortened,
+)
 from ckpt_tune.tune.sharding import check_shard, peak_of, per_gpu_terms, shard_moment, static_per_gpu
 from ckpt_tune.tune.verify import MAX_TIGHTENINGS
 from ckpt_tune.units import format_bytes
@@ -91,6 +105,9 @@ class SearchResult:
     probes: int = 0  # recorded runs spent
     grad_accum_steps: int = 1
     notes: list[str] = field(default_factory=list)
+    # units whose terms were not recorded but copied from an identical unit's (repeats.py) -> that unit
+    extended_terms: dict[str, str] = field(default_factory=dict)
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # wall time per stage of the search
 
 
 class Searcher:
@@ -125,11 +142,31 @@ class Searcher:
         self.notes: list[str] = []
         self.runs = 0
         self._costs: dict[int, tuple[tuple[tuple[float, ...], ...], float]] = {}
+        # the full-depth step order_units records: (batch, its cut with no checkpointing, static bytes);
+        # it is also the "none" probe at that batch
+        self._order_cut: tuple[int, RunCut, int] | None = None
+        # a run of identical blocks probed on a shortened chain (repeats.py), and its recorded cuts
+        self.repeat: Repeat | None = None
+        self._short_cuts: dict[tuple[int, tuple[int, ...]], RunCut] = {}
+        self.stage_seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def _stage(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stage_seconds[name] = round(self.stage_seconds.get(name, 0.0) + time.perf_counter() - t0, 2)
 
     # -- measurements ---------------------------------------------------------------------
     def order_units(self, batch_size: int) -> None:
         """Keep blocks that run once per step in a chain; order them by execution. A group whose
         blocks do not form a chain of their own is one unit (candidates.chain_of)."""
+        self.progress(f"recording batch {batch_size} at full depth (orders the blocks; also the no-checkpointing probe)")
+        with self._stage("order"):
+            self._order_units(batch_size)
+
+    def _order_units(self, batch_size: int) -> None:
         m = self.runner.measure(batch_size, units=(*self.units, *self.groups))
         self.runs += 1
         mk = m.timeline.markers
@@ -158,6 +195,12 @@ class Searcher:
                 (i, j) for i in range(n) for j in range(i + 1, min(i + longest, n)) if all(linked[i + 1 : j + 1])
             }
         self.segment_keys = tuple(sorted(keys))
+        # the same configuration as the "none" probe at this batch (extra markers allocate nothing)
+        tl = m.timeline
+        none = (0,) * len(self.units)
+        self._order_cut = (batch_size, cut_run(tl.live_at, tl.max_between, tl.markers, self.units, none), m.static_bytes)
+        # a plain runner only: HostGuard bounds later steps by the ones it ran, which a shortened step would fool
+        self.repeat = find_repeat(self.runner.model, self.units) if type(self.runner) is StepRunner else None
 
     def _has(self, i: int, option: int) -> bool:
         return has_sub_option(self.runner.model, self.units[i], self.options[option])
@@ -175,22 +218,37 @@ class Searcher:
 
     def _timing(self, batch_size: int) -> tuple[tuple[tuple[float, ...], ...], float]:
         if batch_size not in self._costs:
-            scale, oom = 1.0, False
+            with self._stage("timing"):
+                self._costs[batch_size] = self._time(batch_size)
+        return self._costs[batch_size]
+
+    def _time(self, batch_size: int) -> tuple[tuple[tuple[float, ...], ...], float]:
+        scale, oom, t = 1.0, False, None
+        if self.repeat is not None and self.runner.fake:
+            # FLOPs of identical blocks are identical: count them on the shortened chain
+            self.progress(f"counting FLOPs at batch {batch_size} on {len(self.repeat.short_units)} of {len(self.units)} blocks")
+            rep = self.repeat
+            with shortened(self.runner.model, rep):
+                forward, step = count_flops(self.runner, batch_size)
+            mid = step.get(rep.short_units[rep.first + 1], 0.0)
+            total = step[None] + rep.removed * mid
+            t = Timing(batch_size, (), max(total, 1e-9), extend_forward(forward, rep), unit="GFLOP")
+        if t is None:
             try:
                 t = self.runner.time_step(batch_size, repeats=3)
             except torch.OutOfMemoryError:
                 oom = True  # the plain step at this batch exceeds the device (a real GPU): time a small one
-            if oom:
-                torch.cuda.empty_cache()
-                self.notes.append(f"batch {batch_size}: the plain step does not fit the device; times scaled from batch {self.b2}")
-                t, scale = self.runner.time_step(self.b2, repeats=3), batch_size / self.b2
-            def cost(u: str, k: int) -> float:
-                mods = [u] if k == 1 else [f"{u}.{sub}" for sub in self.options[k].split("+")]
-                return scale * max(sum(t.forward_ms.get(x, 0.0) for x in mods), 1e-6)
+        if oom:
+            torch.cuda.empty_cache()
+            self.notes.append(f"batch {batch_size}: the plain step does not fit the device; times scaled from batch {self.b2}")
+            t, scale = self.runner.time_step(self.b2, repeats=3), batch_size / self.b2
 
-            costs = tuple((0.0, *(cost(u, k) for k in range(1, len(self.options)))) for u in self.units)
-            self._costs[batch_size] = (costs, scale * t.step_ms)
-        return self._costs[batch_size]
+        def cost(u: str, k: int) -> float:
+            mods = [u] if k == 1 else [f"{u}.{sub}" for sub in self.options[k].split("+")]
+            return scale * max(sum(t.forward_ms.get(x, 0.0) for x in mods), 1e-6)
+
+        costs = tuple((0.0, *(cost(u, k) for k in range(1, len(self.options)))) for u in self.units)
+        return costs, scale * t.step_ms
 
     @property
     def _kind(self) -> int:
@@ -209,37 +267,107 @@ class Searcher:
         the probes run two micro-batches and are cut at the second, where every gradient is live (as
         in every later micro-batch); the first is part of the iteration's fixed term."""
         if batch_size not in self._terms:
-            configs = probe_configs(len(self.units), len(self.options), self._has)
-            self.progress(f"probing batch {batch_size} ({len(configs)} recorded steps)")
-            cuts = []
-            static = 0
-            for choice in configs.values():
-                names = self.names(choice)
-                try:
-                    m = self.runner.measure(batch_size, checkpoint=names, units=self.units, accum_steps=self._kind)
-                except torch.OutOfMemoryError:
-                    # on a real GPU the no-checkpointing probe at a large batch can exceed the device:
-                    # fall back to the line through the two small batches (verification still runs)
-                    if batch_size in (self.b1, self.b2):
-                        raise
-                    m = None
-                if m is None:  # outside the except clause, so the failed step's tensors are gone
-                    torch.cuda.empty_cache()
-                    self.notes.append(f"batch {batch_size}: a probe ran out of device memory; terms fitted from batches {self.b1} and {self.b2}")
-                    self._terms[batch_size] = self.terms(self.b1).interpolate(self.terms(self.b2), batch_size)
-                    return self._terms[batch_size]
-                self.runs += 1
-                tl = m.timeline
-                cut = cut_run(tl.live_at, tl.max_between, tl.markers, self.units, choice, pick=-1)
-                cuts.append(cut)
-                static = m.static_bytes
-            t = replace(combine(cuts, self.units, static, batch_size, self.options), groups=self.spans)
-            t = self._with_segments(t)
-            if self.world_size > 1:
-                params, opt, _grads = self.runner.state_bytes()
-                t = per_gpu_terms(t, params, opt, self.world_size, self.shard, self.gathered_bytes())
-            self._terms[batch_size] = t
+            with self._stage("probe"):
+                self._terms[batch_size] = self._probe(batch_size)
         return self._terms[batch_size]
+
+    def _probe(self, batch_size: int) -> Terms:
+        t = None
+        if self.repeat is not None and self._kind == 1:
+            try:
+                t = self._shortened_terms(batch_size)
+            except NotRepeated as e:
+                rep, self.repeat = self.repeat, None
+                self.notes.append(
+                    f"blocks {self.units[rep.first]}..{self.units[rep.last]} look identical but were recorded "
+                    f"at full depth: {e}"
+                )
+                self._terms.clear()  # every batch on full-depth probes alike
+        if t is None:
+            t = self._full_terms(batch_size)
+            if t is None:
+                # on a real GPU the no-checkpointing probe at a large batch can exceed the device:
+                # fall back to the line through the two small batches (verification still runs)
+                torch.cuda.empty_cache()
+                self.notes.append(f"batch {batch_size}: a probe ran out of device memory; terms fitted from batches {self.b1} and {self.b2}")
+                return self.terms(self.b1).interpolate(self.terms(self.b2), batch_size)
+        t = replace(t, groups=self.spans)
+        t = self._with_segments(t)
+        if self.world_size > 1:
+            params, opt, _grads = self.runner.state_bytes()
+            t = per_gpu_terms(t, params, opt, self.world_size, self.shard, self.gathered_bytes())
+        return t
+
+    def _full_terms(self, batch_size: int) -> Terms | None:
+        """Terms from the probe runs at full depth; None when a probe ran out of device memory."""
+        configs = probe_configs(len(self.units), len(self.options), self._has)
+        cuts = []
+        static = 0
+        for j, (label, choice) in enumerate(configs.items()):
+            if self._order_cut is not None and self._kind == 1 and self._order_cut[0] == batch_size and not any(choice):
+                cuts.append(self._order_cut[1])  # order_units recorded this very step
+                static = self._order_cut[2]
+                continue
+            self.progress(f"probing batch {batch_size}: step {j + 1} of {len(configs)} ({label} checkpointed)")
+            names = self.names(choice)
+            try:
+                m = self.runner.measure(batch_size, checkpoint=names, units=self.units, accum_steps=self._kind)
+            except torch.OutOfMemoryError:
+                if batch_size in (self.b1, self.b2):
+                    raise
+                m = None
+            if m is None:  # outside the except clause, so the failed step's tensors are gone
+                return None
+            self.runs += 1
+            tl = m.timeline
+            cuts.append(cut_run(tl.live_at, tl.max_between, tl.markers, self.units, choice, pick=-1))
+            static = m.static_bytes
+        return combine(cuts, self.units, static, batch_size, self.options)
+
+    def _shortened_cut(self, batch_size: int, choice: tuple[int, ...], label: str = "none") -> RunCut:
+        """One probe on the shortened chain (repeats.py), cached."""
+        key = (batch_size, choice)
+        if key not in self._short_cuts:
+            rep = self.repeat
+            short = rep.short_units
+            self.progress(
+                f"probing batch {batch_size} on {len(short)} of {len(self.units)} blocks (identical blocks): "
+                f"{label} checkpointed"
+            )
+            with shortened(self.runner.model, rep):
+                names = plan_entries(short, self.options, choice)
+                m = self.runner.measure(batch_size, checkpoint=names, units=short)
+            self.runs += 1
+            tl = m.timeline
+            self._short_cuts[key] = cut_run(tl.live_at, tl.max_between, tl.markers, short, choice)
+        return self._short_cuts[key]
+
+    def _shortened_terms(self, batch_size: int) -> Terms | None:
+        """Full-depth terms extended from probes on the shortened chain (repeats.extend); None when a
+        probe ran out of device memory (the full-depth path decides what then)."""
+        rep = self.repeat
+        short = rep.short_units
+        configs = probe_configs(len(short), len(self.options), lambda s, opt: self._has(rep.full_index(s), opt))
+        order_b, order_cut, static = self._order_cut
+        try:
+            cuts = [self._shortened_cut(batch_size, choice, label) for label, choice in configs.items()]
+            # what the removed blocks add after backward (their gradients, the optimizer step's
+            # temporaries) and to the first block's backward (their gradients): from the full-depth step
+            none = self._shortened_cut(order_b, (0,) * len(short))
+        except torch.OutOfMemoryError:
+            cuts = None
+        if cuts is None:
+            torch.cuda.empty_cache()
+            return None
+        delta, grads = order_cut.after - none.after, order_cut.B[0] - none.B[0]
+        last = len(self.units) - 1
+        f_shift = order_cut.F[last] - none.F[rep.source(last)]
+        terms = combine(cuts, short, static, batch_size, self.options)
+        measured = {(0,) * len(self.units): static + order_cut.peak_above_static} if batch_size == order_b else {}
+        terms = extend(terms, rep, static, extended_fixed(cuts, delta), grads, f_shift, measured)
+        if batch_size == order_b:
+            check_against(terms, order_cut)  # the full-depth step checks what it can
+        return terms
 
     def _with_segments(self, t: Terms) -> Terms:
         """The candidate segments' terms: measured where a verified plan had them, else estimated."""
@@ -294,9 +422,10 @@ class Searcher:
         self.progress(
             f"verifying batch {batch_size} with {len(names)} checkpoints" + (f" ({n_seg} segments)" if n_seg else "")
         )
-        m = self.runner.measure(
-            batch_size, checkpoint=list(names), units=self.units, attribute=self.world_size > 1, accum_steps=self.accum_steps
-        )
+        with self._stage("verify"):
+            m = self.runner.measure(
+                batch_size, checkpoint=list(names), units=self.units, attribute=self.world_size > 1, accum_steps=self.accum_steps
+            )
         self.runs += 1
         if batch_size in self._terms:
             self._learn_segments(batch_size, choice, m)
@@ -475,6 +604,8 @@ class Searcher:
             res.baselines[label] = FrontierRow(b, t.names(choice), peak, round(cost / step, 4), peak <= budget)
         res.probes = self.runs
         res.notes.extend(self.notes)
+        res.extended_terms = self.repeat.extended() if self.repeat is not None and self._kind == 1 else {}
+        res.stage_seconds = dict(self.stage_seconds)
         return res
 
     def frontier(self, budget: int, batch_sizes: list[int], b1: int, b2: int, timed_at: int) -> list[FrontierRow]:

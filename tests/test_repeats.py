@@ -1,0 +1,154 @@
+"""Runs of identical blocks are probed on a shortened chain (ckpt_tune/tune/repeats.py); the terms
+extended to full depth must equal the terms recorded at full depth, to the byte."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ckpt_tune.measure import fake_inputs, loader
+from ckpt_tune.measure.runner import StepRunner, StepSettings
+from ckpt_tune.tune.repeats import find_repeat
+from ckpt_tune.tune.searcher import Searcher
+
+VOCAB, SEQ, DIM = 64, 16, 32
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 4, DIM // 4).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, DIM))
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int = 4 * DIM) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, width)
+        self.down = nn.Linear(width, DIM)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, layer_idx: int, width: int = 4 * DIM) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx  # numbers the layer: not a difference between blocks
+        self.norm1, self.attn = nn.LayerNorm(DIM), Attention()
+        self.norm2, self.mlp = nn.LayerNorm(DIM), MLP(width)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, n: int = 8, widths: tuple[int, ...] | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(Block(i, (widths or (4 * DIM,) * n)[i]) for i in range(n))
+        self.norm, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def make_batch(batch_size: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch_size, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+def loss_fn(model, ids):
+    return F.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+
+
+def _runner(device: str, build=Decoder) -> StepRunner:
+    if device == "cpu":
+        # fp32: under autocast the last block's forward window holds the frees of every block's cast
+        # biases (CPU blocks are not rounded), so its F depends on the depth and the search falls back
+        return StepRunner(build(), make_batch, loss_fn, StepSettings(device="cpu", precision="fp32"))
+    target = loader.Target("decoder", __name__, None, "Decoder", build, make_batch, loss_fn, "make_batch", "loss_fn")
+    settings = StepSettings(device="meta", precision="bf16-mixed", fake_target=device)
+    return StepRunner(fake_inputs.build_fake_model(target), fake_inputs.fake_batch_fn(target), loss_fn, settings)
+
+
+def _full_depth(s: Searcher, b: int):
+    rep, s.repeat = s.repeat, None
+    s._terms.clear()
+    s._costs.clear()
+    try:
+        return s.terms(b), s._timing(b)
+    finally:
+        s.repeat = rep
+        s._terms.clear()
+        s._costs.clear()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "cpu-fake"])
+def test_extended_terms_equal_full_depth_terms_to_the_byte(device):
+    with _runner("cpu" if device == "cpu" else device.removesuffix("-fake"), Decoder) as runner:
+        s = Searcher(runner)
+        s.order_units(1)
+        assert s.repeat is not None
+        assert (s.repeat.first, s.repeat.last) == (0, 7)
+        assert s.options[:4] == ("none", "block", "attn", "mlp")
+        for b in (1, 3):
+            ext, ext_costs = s.terms(b), s._timing(b)
+            assert s.repeat is not None, s.notes
+            full, full_costs = _full_depth(s, b)
+            assert (ext.static, ext.base, ext.fixed) == (full.static, full.base, full.fixed)
+            for i, (e, f) in enumerate(zip(ext.blocks, full.blocks, strict=True)):
+                assert (e.d, e.F, e.B) == (f.d, f.F, f.B), f"block {i} at batch {b}"
+            if runner.fake:  # FLOPs are exact; CPU wall times are not repeatable
+                for e, f in zip(ext_costs[0], full_costs[0], strict=True):
+                    assert e == pytest.approx(f, rel=1e-9)
+                assert ext_costs[1] == pytest.approx(full_costs[1], rel=1e-9)
+        assert s.repeat.extended() == {"layers.5": "layers.1", "layers.6": "layers.2"}
+
+
+def test_a_chain_of_different_blocks_is_recorded_at_full_depth():
+    def build():
+        return Decoder(8, widths=(128, 128, 128, 64, 128, 128, 128, 128))
+
+    with _runner("cpu", build) as runner:
+        s = Searcher(runner)
+        s.order_units(1)
+        # the odd block splits the chain into runs of 3 and 4: none long enough
+        assert s.repeat is None
+        assert find_repeat(runner.model, s.units) is None
+
+
+def test_blocks_that_look_identical_but_record_differently_fall_back(monkeypatch):
+    with _runner("cuda") as runner:
+        s = Searcher(runner)
+        s.order_units(1)
+        assert s.repeat is not None
+        import ckpt_tune.tune.searcher as searcher_module
+
+        real_cut = searcher_module.cut_run
+
+        def skewed(*a, **k):  # the second middle block stores one byte more
+            c = real_cut(*a, **k)
+            if len(c.d) == 6:
+                d = list(c.d)
+                d[2] += 1
+                c = type(c)(c.choice, c.base, c.fixed, tuple(d), c.F, c.B, c.peak_above_static, c.before, c.after)
+            return c
+
+        monkeypatch.setattr(searcher_module, "cut_run", skewed)
+        t = s.terms(1)
+        assert s.repeat is None
+        assert len(t.blocks) == 8
+        assert any("recorded at full depth" in n for n in s.notes)
