@@ -236,10 +236,22 @@ CASES = {
     "hf_gpt_neox": lambda: _hf("gpt_neox"),
     "peft_lora_llama": lambda: _hf("lora"),
 }
-SLOW = {"tv_mobilenet_v3_small", "tv_efficientnet_b0", "tv_convnext_tiny"}  # 10-25 s each on 2 cores
+SLOW = {"tv_efficientnet_b0"}  # 10-25 s on 2 cores
+# the conformance zoo (tests/zoo, check 2) runs these same models against the CPU allocator in `make
+# test`: here they run with `make test-heavy` only, to keep `make test` within its time
+IN_THE_ZOO = {
+    "lstm_lm", "gru_lm", "tv_resnet18", "tv_mobilenet_v3_small", "tv_convnext_tiny", "tv_vit", "tv_swin", "timm_vit",
+    "timm_convnext", "hf_bert", "hf_t5", "hf_llama", "hf_mistral", "hf_mixtral", "hf_gpt_neox", "peft_lora_llama",
+}
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in CASES])
+def _marks(case: str):
+    if case in IN_THE_ZOO:
+        return [pytest.mark.slow, pytest.mark.heavy]
+    return [pytest.mark.slow] if case in SLOW else []
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=_marks(c)) for c in CASES])
 def test_fake_peak_matches_cpu_allocator_on_unseen_models(case):
     build, make_batch, loss_fn = CASES[case]()
     assert_fake_matches_allocator(case, build, make_batch, loss_fn, BATCH)
