@@ -133,7 +133,8 @@ def render_search(outcome, plan_yaml: str, patch: str, elapsed_s: float) -> None
         err.print(note)
     err.print(Panel(Syntax(plan_yaml, "yaml", theme="ansi_dark", background_color="default"), title="plan", title_align="left"))
     err.print(Panel(Syntax(patch, "python", theme="ansi_dark", background_color="default"), title="patch", title_align="left"))
-    err.print(f"searched in {elapsed_s:.1f} s ({res.probes} recorded steps)")
+    extended = f"; terms of {len(res.extended_terms)} identical blocks extended, not recorded" if res.extended_terms else ""
+    err.print(f"searched in {elapsed_s:.1f} s ({res.probes} recorded steps{extended})")
 
 
 def _plan_label(plan: tuple[Entry, ...], units: tuple[str, ...]) -> str:

@@ -77,6 +77,8 @@ def search(
             "baselines": {k: v.to_dict() for k, v in res.baselines.items()},
             "candidates": list(res.units),
             "recorded_steps": res.probes,
+            "extended_terms": res.extended_terms,
+            "stage_seconds": res.stage_seconds,
             "elapsed_s": round(elapsed, 2),
             "notes": res.notes,
         })

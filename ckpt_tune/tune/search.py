@@ -9,6 +9,7 @@ The library call behind `ckpt-tune search`: load the target, record and solve wi
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -49,11 +50,13 @@ def search(
     """Largest batch (or the given one) that fits `vram`, with the cheapest verified checkpoint plan.
 
     `segments`: also consider runs of consecutive blocks under one checkpoint (ckpt_tune/segment.py)."""
+    t0 = time.perf_counter()
     t = load(target, settings)
     device = resolve_device(settings.device)
     # --device meta sizes a CUDA step: hold back the CUDA context and margin as on a GPU
     budget = parse_budget(vram, "cuda" if device == "meta" else device, margin)
     _model, runner, step = build_runner(t, settings)
+    built_s = round(time.perf_counter() - t0, 2)
     with user_errors("searching"), runner:
         searcher = Searcher(runner, progress=progress, world_size=world_size, shard=shard, segments=segments)
         fixed = batch_size
@@ -70,6 +73,7 @@ def search(
             for r in res.frontier
         ]
         res.notes.extend(n for n in runner.notes if n not in res.notes)
+        res.stage_seconds = {"build": built_s, **searcher.stage_seconds}
     plan = Plan(
         target=t.spec,
         device=vocab.device_kind(device),

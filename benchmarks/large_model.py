@@ -1,0 +1,134 @@
+"""Planning 7B/70B Hugging Face models under fake tensors: wall time, max RSS, recorded steps, exit code
+and plan, for this checkout and, side by side in the same run, for an earlier commit (issue 14).
+
+    python benchmarks/large_model.py [--before <commit>] [--only 7b]
+
+Each command runs in a fresh child process whose checkout comes first on sys.path; the child reports
+its own peak RSS (getrusage) at exit. The rule: where both checkouts find a plan, this checkout's is the
+same batch with the same or a lower predicted recompute; where the earlier one exits 3 (nothing fits),
+so does this one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import write_results  # noqa: E402
+
+COMMANDS = {
+    "7b": ["--hf-config", "examples/configs/llama-2-7b.json", "--seq-len", "4096", "--device", "meta",
+           "--precision", "bf16-mixed", "--vram", "80GB"],
+    "7b-zero3-x8": ["--hf-config", "examples/configs/llama-2-7b.json", "--seq-len", "4096", "--device", "meta",
+                    "--precision", "bf16-mixed", "--vram", "80GB", "--world-size", "8", "--shard", "zero3"],
+    "70b-zero3-x64": ["--hf-config", "examples/configs/llama-2-70b.json", "--seq-len", "4096", "--device", "meta",
+                      "--precision", "bf16-mixed", "--vram", "80GB", "--world-size", "64", "--shard", "zero3"],
+}
+
+CHILD = """
+import atexit, resource, sys
+sys.path.insert(0, {root!r})
+atexit.register(lambda: print("BENCH_RSS_KIB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr))
+sys.argv = ["ckpt-tune", "search", *{args!r}, "--json"]
+from ckpt_tune.cli import main
+main()
+"""
+
+
+def run(checkout: Path, args: list[str], timeout: int) -> dict:
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run([sys.executable, "-c", CHILD.format(root=str(checkout), args=args)], cwd=checkout,
+                           capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"exit_code": None, "wall_s": round(time.perf_counter() - t0, 1), "error": f"timed out after {timeout} s"}
+    wall = time.perf_counter() - t0
+    rss = [int(line.split()[1]) for line in p.stderr.splitlines() if line.startswith("BENCH_RSS_KIB")]
+    out: dict = {"exit_code": p.returncode, "wall_s": round(wall, 1), "max_rss_mib": round(rss[-1] / 1024) if rss else None}
+    try:
+        data = json.loads(p.stdout)
+    except json.JSONDecodeError:
+        err = [line for line in p.stderr.splitlines() if line.startswith("error:") or "nothing fits" in line]
+        out["error"] = (err[0] if err else p.stderr.strip().splitlines()[-1] if p.stderr.strip() else "")[:400]
+        return out
+    plan = data["plan"]
+    out.update(
+        recorded_steps=data.get("recorded_steps"),
+        stage_seconds=data.get("stage_seconds"),
+        extended_terms=len(data.get("extended_terms") or {}),
+        batch_size=plan["batch_size"],
+        checkpoint=plan["checkpoint"],
+        predicted_recompute_fraction=plan["predicted_recompute_fraction"],
+        predicted_peak_bytes=plan["predicted_peak_bytes"],
+        verified_peak_bytes=plan["verified_peak_bytes"],
+    )
+    return out
+
+
+def verdict(before: dict, after: dict) -> str:
+    if before.get("exit_code") is None:
+        return "before timed out"
+    if before["exit_code"] != after["exit_code"]:
+        return "DIFFERENT exit codes"
+    if "batch_size" not in before:
+        return "same exit code (no plan)"
+    if after["batch_size"] > before["batch_size"]:
+        return "larger batch"
+    if after["batch_size"] < before["batch_size"]:
+        return "SMALLER batch"
+    if after["checkpoint"] == before["checkpoint"]:
+        return "equal plan"
+    if after["predicted_recompute_fraction"] <= before["predicted_recompute_fraction"]:
+        return "same batch, cheaper or equal recompute"
+    return "MORE EXPENSIVE plan"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--before", default="4a75528", help="the commit before issue 14's work")
+    ap.add_argument("--only", nargs="*", default=list(COMMANDS))
+    ap.add_argument("--timeout", type=int, default=1200)
+    a = ap.parse_args()
+    tree = Path("/tmp/i14/before")
+    if not tree.exists():
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), a.before], cwd=ROOT, check=True, capture_output=True)
+    rows = {}
+    for name in a.only:
+        args = COMMANDS[name]
+        after = run(ROOT, args, a.timeout)
+        print(name, "after", after, file=sys.stderr, flush=True)
+        before = run(tree, args, a.timeout)
+        print(name, "before", before, file=sys.stderr, flush=True)
+        rows[name] = {"args": args, "before": before, "after": after, "verdict": verdict(before, after)}
+    lines = [
+        f"Rule: where both find a plan, this checkout's is the same batch with the same or lower predicted "
+        f"recompute (or a larger batch); where {a.before} exits 3, so does this checkout.",
+        "",
+        "| command | checkout | exit | wall s | max RSS MiB | recorded steps | batch | checkpoints | recompute | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in rows.items():
+        for label in ("before", "after"):
+            x = r[label]
+            lines.append(
+                f"| {name} | {a.before if label == 'before' else 'this'} | {x.get('exit_code')} | {x.get('wall_s')} | "
+                f"{x.get('max_rss_mib')} | {x.get('recorded_steps', '-')} | {x.get('batch_size', '-')} | "
+                f"{len(x['checkpoint']) if 'checkpoint' in x else '-'} | {x.get('predicted_recompute_fraction', '-')} | "
+                f"{r['verdict'] if label == 'after' else ''} |"
+            )
+    lines += ["", "Commands: `ckpt-tune search <args> --json`, with:", ""]
+    lines += [f"- {name}: `{' '.join(r['args'])}`" for name, r in rows.items()]
+    lines += ["", "Stage seconds (this checkout): " + "; ".join(f"{n}: {r['after'].get('stage_seconds')}" for n, r in rows.items())]
+    write_results("large_model", "Planning large models under fake tensors (issue 14)", {"before_commit": a.before, "rows": rows},
+                  "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
