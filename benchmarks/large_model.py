@@ -95,21 +95,33 @@ def main() -> None:
     ap.add_argument("--before", default="4a75528", help="the commit before issue 14's work")
     ap.add_argument("--only", nargs="*", default=list(COMMANDS))
     ap.add_argument("--timeout", type=int, default=1200)
+    ap.add_argument("--resume", action="store_true", help="keep the rows of results/large_model.json, run the others")
     a = ap.parse_args()
     tree = Path("/tmp/i14/before")
     if not tree.exists():
         subprocess.run(["git", "worktree", "add", "--detach", str(tree), a.before], cwd=ROOT, check=True, capture_output=True)
-    rows = {}
+    rows: dict = {}
+    saved = ROOT / "benchmarks" / "results" / "large_model.json"
+    if a.resume and saved.exists():
+        rows = json.loads(saved.read_text())["rows"]
     for name in a.only:
+        if name in rows:
+            continue
         args = COMMANDS[name]
         after = run(ROOT, args, a.timeout)
         print(name, "after", after, file=sys.stderr, flush=True)
         before = run(tree, args, a.timeout)
         print(name, "before", before, file=sys.stderr, flush=True)
         rows[name] = {"args": args, "before": before, "after": after, "verdict": verdict(before, after)}
+        report(rows, a.before)  # after every command: a long run keeps what it measured
+    report(rows, a.before)
+
+
+def report(rows: dict, before_commit: str) -> None:
+    a_before = before_commit
     lines = [
         f"Rule: where both find a plan, this checkout's is the same batch with the same or lower predicted "
-        f"recompute (or a larger batch); where {a.before} exits 3, so does this checkout.",
+        f"recompute (or a larger batch); where {a_before} exits 3, so does this checkout.",
         "",
         "| command | checkout | exit | wall s | max RSS MiB | recorded steps | batch | checkpoints | recompute | verdict |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -118,15 +130,21 @@ def main() -> None:
         for label in ("before", "after"):
             x = r[label]
             lines.append(
-                f"| {name} | {a.before if label == 'before' else 'this'} | {x.get('exit_code')} | {x.get('wall_s')} | "
+                f"| {name} | {a_before if label == 'before' else 'this'} | {x.get('exit_code')} | {x.get('wall_s')} | "
                 f"{x.get('max_rss_mib')} | {x.get('recorded_steps', '-')} | {x.get('batch_size', '-')} | "
                 f"{len(x['checkpoint']) if 'checkpoint' in x else '-'} | {x.get('predicted_recompute_fraction', '-')} | "
                 f"{r['verdict'] if label == 'after' else ''} |"
             )
+    for name, r in rows.items():
+        if "error" in r["after"] and "error" in r.get("before", {}):
+            same = "identical" if r["after"]["error"] == r["before"]["error"] else "DIFFERENT"
+            lines += ["", f"{name}: error messages {same}: `{r['after']['error'][:200]}`"]
+    lines += ["", "Timings were taken on a shared 2-core machine under load (load average above): compare the two "
+              "checkouts within a row, run one after the other."]
     lines += ["", "Commands: `ckpt-tune search <args> --json`, with:", ""]
     lines += [f"- {name}: `{' '.join(r['args'])}`" for name, r in rows.items()]
     lines += ["", "Stage seconds (this checkout): " + "; ".join(f"{n}: {r['after'].get('stage_seconds')}" for n, r in rows.items())]
-    write_results("large_model", "Planning large models under fake tensors (issue 14)", {"before_commit": a.before, "rows": rows},
+    write_results("large_model", "Planning large models under fake tensors (issue 14)", {"before_commit": a_before, "rows": rows},
                   "\n".join(lines))
 
 
