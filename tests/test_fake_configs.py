@@ -48,18 +48,19 @@ def _large(config: Path) -> bool:
     return json.loads(config.read_text()).get("hidden_size", 0) >= 1024 or "gpt2" not in config.name
 
 
-def _marks(config: Path) -> list:
-    """The README's Llama-2-7B and the tiny GPT-2 run in `make test`; the other 7B-70B configs (tens
-    of seconds each on 2 cores) with `make test-heavy`."""
-    if not _large(config) or config.stem == "llama-2-7b":
+def _marks(config: Path, form: str) -> list:
+    """The README's Llama-2-7B and the tiny GPT-2 as shipped run in `make test`; the other configs, and
+    every config cut to `model_type` (a default-sized model: tens of seconds each on 2 cores), with
+    `make test-heavy`."""
+    if form == "shipped" and (not _large(config) or config.stem == "llama-2-7b"):
         return [pytest.mark.slow] if _large(config) else []
     return [pytest.mark.slow, pytest.mark.heavy]
 
 
 @pytest.mark.hf
-@pytest.mark.parametrize("form", ["shipped", "minimal"])
 @pytest.mark.parametrize(
-    "config", [pytest.param(c, id=c.stem, marks=_marks(c)) for c in CONFIGS]
+    ("config", "form"),
+    [pytest.param(c, f, id=f"{c.stem}-{f}", marks=_marks(c, f)) for c in CONFIGS for f in ("shipped", "minimal")],
 )
 def test_shipped_hf_config_profiles_under_fake_tensors(config, form, tmp_path):
     if importlib.util.find_spec("transformers") is None:

@@ -90,6 +90,7 @@ def test_search_past_this_machine_returns_a_verified_plan_and_says_how():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # over a minute on 2 cores; the guard's path is covered above in make test
 def test_readme_budget_on_a_machine_with_less_memory(tmp_path):
     """The usage line as written, `search examples/gpt.py:build --vram 24GB`, on CPU under a 6 GB
     address-space limit: exit 0 with a verified plan, saying how the large batches were measured."""
