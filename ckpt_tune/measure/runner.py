@@ -335,15 +335,22 @@ class StepRunner:
         Recompute cost is then forward FLOPs of the checkpointed modules over the step's FLOPs, which is
         what their time ratio is on a GPU that runs both at the same throughput.
         """
+        forward, step = self.count_flops(batch_size)
+        return Timing(batch_size, entries_of(checkpoint), max(step[None], 1e-9), forward, unit="GFLOP")
+
+    def count_flops(self, batch_size: int) -> tuple[dict[str, float], dict[str | None, float]]:
+        """GFLOP per module of one forward, and of one whole iteration (forward, backward, optimizer
+        step; key None: the iteration's total). The iteration's per-module figures let the search add
+        back the share of blocks it left out of a shortened chain (tune/repeats.py)."""
         from torch.utils.flop_counter import FlopCounterMode
 
         root = type(self.model).__name__
 
-        def per_module(fc) -> dict[str, float]:
-            out = {}
+        def per_module(fc) -> dict:
+            out: dict = {}
             for key, ops in fc.get_flop_counts().items():
                 if key == root or key.startswith(root + "."):
-                    out[key[len(root) + 1:] if key != root else ""] = sum(ops.values()) / 1e9
+                    out[key[len(root) + 1 :] if key != root else ""] = sum(ops.values()) / 1e9
             return out
 
         with self._ctx():
@@ -354,7 +361,7 @@ class StepRunner:
             with FlopCounterMode(display=False) as step:
                 self.iteration(batch_size)
         total = sum(sum(ops.values()) for key, ops in step.get_flop_counts().items() if key == "Global") / 1e9
-        return Timing(batch_size, entries_of(checkpoint), max(total, 1e-9), per_module(fwd), unit="GFLOP")
+        return per_module(fwd), {**per_module(step), None: total}
 
 
 @dataclass(frozen=True)

@@ -238,27 +238,6 @@ def extend_forward(forward: dict[str, float], rep: Repeat) -> dict[str, float]:
 
 
 def count_flops(runner, batch_size: int) -> tuple[dict[str, float], dict[str | None, float]]:
-    """GFLOP per module of one forward, and of one whole iteration (forward, backward, optimizer step;
-    key None: the iteration's total), as the fake runner's `time_step` counts them. The iteration's per
-    module figures let a removed block's share be added back (repeats.py)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
+    """`StepRunner.count_flops` after the warm-up `time_step` does first, so the counts are the same."""
     runner.warm_up(batch_size)
-    root = type(runner.model).__name__
-
-    def per_module(fc) -> dict:
-        out: dict = {}
-        for key, ops in fc.get_flop_counts().items():
-            if key == root or key.startswith(root + "."):
-                out[key[len(root) + 1 :] if key != root else ""] = sum(ops.values()) / 1e9
-        return out
-
-    with runner._ctx():
-        with FlopCounterMode(display=False) as fwd:
-            batch = runner.batch_fn(batch_size)
-            with runner._autocast():
-                runner.loss_fn(runner.model, batch)
-        with FlopCounterMode(display=False) as step:
-            runner.iteration(batch_size)
-    total = sum(sum(ops.values()) for key, ops in step.get_flop_counts().items() if key == "Global") / 1e9
-    return per_module(fwd), {**per_module(step), None: total}
+    return runner.count_flops(batch_size)
