@@ -153,3 +153,19 @@ def measured_peak(
     del prof, model, opt, params
     gc.collect()
     return sum(before.values()) + peak
+
+
+def one_step(model, batch, loss_fn, seed: int = 1) -> dict:
+    """One training forward+backward from a fixed seed: what a checkpoint plan must leave unchanged
+    (loss, gradients, buffers such as BatchNorm statistics, the global RNG state afterwards)."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = loss_fn(model, batch)
+    loss.backward()
+    return {
+        "loss": loss.detach(),
+        "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+        "buffers": {n: b.clone() for n, b in model.named_buffers()},
+        "rng": torch.get_rng_state(),
+    }

@@ -21,6 +21,7 @@ from ckpt_tune.plan.apply import applied_names, apply, remove
 from ckpt_tune.plan.entry import member_names
 from ckpt_tune.plan.file import Plan, write_plan
 from ckpt_tune.plan.patch import patch_snippet
+from tests.harness import one_step
 
 # ---------------------------------------------------------------------------------------------------
 # Models (local to this file on purpose: the shared fixtures are written elsewhere)
@@ -139,18 +140,8 @@ def loss_of(model: nn.Module, batch: tuple) -> torch.Tensor:
 
 
 def run_step(model: nn.Module, batch: tuple, seed: int = 1) -> dict:
-    """One training forward+backward; everything a plan must leave unchanged."""
-    model.train()
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    loss = loss_of(model, batch)
-    loss.backward()
-    return {
-        "loss": loss.detach(),
-        "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
-        "buffers": {n: b.clone() for n, b in model.named_buffers()},
-        "rng": torch.get_rng_state(),
-    }
+    """One training forward+backward; everything a plan must leave unchanged (harness.one_step)."""
+    return one_step(model, batch, loss_of, seed)
 
 
 def assert_same_step(got: dict, want: dict) -> None:

@@ -25,11 +25,10 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from tests.harness import measured_peak
+from tests.harness import measured_peak, one_step
 from tests.zoo.members import MEMBERS, ROOT, Member, parts
 
 META_TOLERANCE = 0.01  # the contract: fake tensors within 1% of the CPU allocator
@@ -162,21 +161,6 @@ def searched(name: str, via_cli: bool = False) -> SearchOutcome:
 
 
 # -- 4. invariants -------------------------------------------------------------------------------------
-def one_step(model, batch, loss_fn, seed: int = 1) -> dict[str, Any]:
-    """One training forward+backward: everything a plan must leave unchanged."""
-    model.train()
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    loss = loss_fn(model, batch)
-    loss.backward()
-    return {
-        "loss": loss.detach(),
-        "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
-        "buffers": {n: b.clone() for n, b in model.named_buffers()},
-        "rng": torch.get_rng_state(),
-    }
-
-
 def invariant_differences(m: Member, plan) -> list[str]:
     """What differs between a step of the unwrapped model and of a copy with `plan` applied (empty: nothing)."""
     import ckpt_tune
