@@ -11,6 +11,7 @@ parameters and buffers plus the largest running sum of the CPU allocator's `[mem
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.util
 import json
@@ -161,7 +162,87 @@ def interleaved_times(models: dict[Any, TimedModel], batch_size: int | dict[Any,
     return {k: statistics.median(v) for k, v in interleaved_samples(models, batch_size, repeats, target_s).items()}
 
 
-# -- results ------------------------------------------------------------------------------------------
+# -- results and provenance ------------------------------------------------------------------------
+# A result must say which code produced it. Every benchmark run as a script records the commit and whether
+# the whole work tree was clean (tracked and untracked files, everything but benchmarks/results/, which
+# the runs themselves write). A dirty tree is refused before the run starts unless `--allow-dirty` is on
+# the command line (or CKPT_TUNE_BENCH_ALLOW_DIRTY=1, which child processes inherit); the result then
+# records the dirty paths and a sha256 of `git diff HEAD` plus the untracked files' contents.
+ALLOW_DIRTY_FLAG = "--allow-dirty"
+ALLOW_DIRTY_ENV = "CKPT_TUNE_BENCH_ALLOW_DIRTY"
+if ALLOW_DIRTY_FLAG in sys.argv[1:]:  # taken off before the script's own argparse sees it
+    sys.argv[:] = [a for i, a in enumerate(sys.argv) if i == 0 or a != ALLOW_DIRTY_FLAG]
+    os.environ[ALLOW_DIRTY_ENV] = "1"
+RESULTS_REL = "benchmarks/results/"
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+
+def provenance() -> dict[str, Any]:
+    """{"commit", "short", "clean", "dirty_paths", "diff_sha256"} of the whole work tree now.
+
+    `clean`: nothing differs from HEAD outside benchmarks/results/, untracked files included (ignored
+    files such as .venv are not part of the tree). `diff_sha256` (dirty trees only) hashes `git diff HEAD`
+    and each untracked file's path and bytes: two runs with the same hash ran the same code."""
+    import hashlib
+
+    try:
+        commit = _git("rev-parse", "HEAD").strip()
+        status = _git("status", "--porcelain", "--untracked-files=all", "-z")
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": "unknown", "short": "unknown", "clean": False, "dirty_paths": ["(not a git checkout)"], "diff_sha256": None}
+    entries = [e for e in status.split("\0") if e]
+    dirty, untracked, skip = [], [], False
+    for e in entries:
+        if skip:  # the source path of a rename
+            skip = False
+            continue
+        code, path = e[:2], e[3:]
+        skip = code[0] in "RC"
+        if path.startswith(RESULTS_REL):
+            continue
+        dirty.append(path)
+        if code == "??":
+            untracked.append(path)
+    diff_hash = None
+    if dirty:
+        h = hashlib.sha256()
+        h.update(subprocess.run(["git", "diff", "HEAD", "--binary", "--", ".", f":(exclude){RESULTS_REL}"], cwd=ROOT,
+                                capture_output=True, check=False).stdout)
+        for path in sorted(untracked):
+            h.update(path.encode() + b"\0")
+            with contextlib.suppress(OSError):
+                h.update((ROOT / path).read_bytes())
+        diff_hash = h.hexdigest()
+    return {"commit": commit, "short": commit[:7], "clean": not dirty, "dirty_paths": dirty, "diff_sha256": diff_hash}
+
+
+def _describe(prov: dict[str, Any]) -> str:
+    if prov["clean"]:
+        return f"{prov['short']} (clean tree)"
+    shown = ", ".join(prov["dirty_paths"][:8]) + (f" and {len(prov['dirty_paths']) - 8} more" if len(prov["dirty_paths"]) > 8 else "")
+    return f"{prov['short']} with uncommitted changes to {shown} (--allow-dirty; sha256 of git diff HEAD + untracked: {prov['diff_sha256']})"
+
+
+def require_clean_tree() -> dict[str, Any]:
+    """The tree's provenance at the start of a run; exits 2 on a dirty tree unless --allow-dirty."""
+    prov = provenance()
+    if not prov["clean"] and os.environ.get(ALLOW_DIRTY_ENV) != "1":
+        print(f"refusing to run: the work tree differs from HEAD {prov['short']} ({', '.join(prov['dirty_paths'][:10])}"
+              f"{' ...' if len(prov['dirty_paths']) > 10 else ''}). Commit first, or pass {ALLOW_DIRTY_FLAG} "
+              "(the result then records the dirty paths and a hash of git diff HEAD).", file=sys.stderr)
+        raise SystemExit(2)
+    return prov
+
+
+_main = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] not in ("", "-c", "-m") else None
+START_PROVENANCE: dict[str, Any] | None = None
+if _main is not None and _main.parent == ROOT / "benchmarks" and _main.suffix == ".py":
+    START_PROVENANCE = require_clean_tree()  # a benchmark run as a script: refuse a dirty tree up front
+
+
 def machine() -> dict[str, str]:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
@@ -176,19 +257,13 @@ def machine() -> dict[str, str]:
 
 
 def _git_head() -> str:
-    """HEAD, plus the package files that differ from it (the tree is shared with work in progress)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "ckpt_tune", "examples"], cwd=ROOT, capture_output=True,
-                               text=True, check=True).stdout.split("\n")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    changed = [ln[3:] for ln in dirty if ln.strip()]
-    return head + (f" with uncommitted changes to {', '.join(changed)}" if changed else "")
+    """The commit and the state of the whole tree, in words (machine()["git"])."""
+    return _describe(provenance())
 
 
 def command() -> str:
-    return ".venv/bin/python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
+    return ".venv/bin/python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]) + (
+        f" {ALLOW_DIRTY_FLAG}" if os.environ.get(ALLOW_DIRTY_ENV) == "1" else "")
 
 
 def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -198,11 +273,18 @@ def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def write_results(name: str, title: str, data: dict[str, Any], body_md: str) -> None:
-    """Write results/<name>.json and results/<name>.md with the machine and the command."""
+    """Write results/<name>.json and results/<name>.md with the machine, the command and the provenance:
+    the commit and tree state at the start of the run (START_PROVENANCE) and at the end; a run during
+    which the code changed says so."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     info = machine()
     cmd = command()
-    (RESULTS / f"{name}.json").write_text(json.dumps({"benchmark": name, "command": cmd, "machine": info, **data}, indent=2, default=str) + "\n")
+    end = provenance()
+    start = START_PROVENANCE or end
+    prov = {**start, "end": None if (end["commit"], end["diff_sha256"]) == (start["commit"], start["diff_sha256"]) else end}
+    info["git"] = _describe(start)
+    (RESULTS / f"{name}.json").write_text(json.dumps({"benchmark": name, "command": cmd, "machine": info, "provenance": prov, **data},
+                                                     indent=2, default=str) + "\n")
     head = [
         f"# {title}",
         "",
@@ -210,9 +292,10 @@ def write_results(name: str, title: str, data: dict[str, Any], body_md: str) -> 
         f"- date: {info['date']}",
         f"- machine: `{info['uname']}`, {info['nproc']} CPUs, load average at the end {info['load_avg']}",
         f"- torch {info['torch']}, Python {info['python']}, {info['threads']} torch threads, commit {info['git']}",
-        "",
-        "",
     ]
+    if prov["end"] is not None:
+        head.append(f"- the code changed during the run: at the end {_describe(end)}")
+    head += ["", ""]
     (RESULTS / f"{name}.md").write_text("\n".join(head) + body_md.rstrip() + "\n")
     print(f"wrote {RESULTS / (name + '.json')} and .md", file=sys.stderr)
 
