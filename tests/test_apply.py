@@ -176,6 +176,13 @@ CASES = [
     ("resnet", [tuple(BLOCK_NAMES["resnet"])]),  # BatchNorm in every block, a shape change inside
     ("vit", ["blocks.0", ("blocks.1", "blocks.2")]),  # dropout: the recompute must repeat its masks
     ("gpt2", [tuple(BLOCK_NAMES["gpt2"])]),  # keyword arguments and tuple outputs between the blocks
+    # op-level policies (plan/policy.py): BatchNorm, dropout and Hugging Face layers under each one
+    ("resnet", [f"{n}@matmuls" for n in BLOCK_NAMES["resnet"]]),
+    ("resnet", ["blocks.0@half-matmuls", "blocks.1", "blocks.2@attention"]),
+    ("vit", [f"{n}@half-matmuls" for n in BLOCK_NAMES["vit"]]),
+    ("vit", ["blocks.0@attention", "blocks.1@matmuls", "blocks.2"]),
+    ("gpt2", [f"{n}@matmuls" for n in BLOCK_NAMES["gpt2"]]),
+    ("gpt2", ["transformer.h.0@attention", "transformer.h.1@half-matmuls"]),
 ]
 
 

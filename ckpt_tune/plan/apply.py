@@ -24,12 +24,14 @@ from torch import nn
 from ckpt_tune.errors import PlanError
 from ckpt_tune.plan.entry import Action, Entry, entries_of, member_names
 from ckpt_tune.plan.file import Plan, load_plan
+from ckpt_tune.plan.policy import context_fn
 from ckpt_tune.plan.segment import (
     INNER_ATTR,
     SEGMENT_ATTR,
     SEGMENT_FORWARD,
     Segment,
     inner_forward,
+    running_stats,
     throwaway_running_stats,
 )
 
@@ -39,6 +41,8 @@ log = logging.getLogger(__name__)
 # forward the instance had before wrapping (e.g. one set by accelerate) is kept under this attribute.
 _WRAPPER_NAME = "_ckpt_forward"
 _INNER_ATTR = INNER_ATTR
+# The op-level policy (plan/policy.py) of a module wrapped for an Action.SELECTIVE entry.
+_POLICY_ATTR = "_ckpt_policy"
 # Set on the root module by `apply`: the configs whose `use_cache` it turned off, for `remove`.
 _SAVED_CACHE_ATTR = "_ckpt_tune_use_cache_off"
 
@@ -49,6 +53,10 @@ def _ckpt_forward(self: nn.Module, *args, **kwargs):
     if not (self.training and torch.is_grad_enabled()):
         return inner(*args, **kwargs)
     calls = 0
+    policy = self.__dict__.get(_POLICY_ATTR)
+    # under an op policy the recompute must run exactly the forward's ops: the throwaway copies of
+    # the running statistics are made here, outside the checkpointed region
+    spares = [b.clone() for *_, b in running_stats(self)] if policy is not None else None
 
     def run(*a):
         # checkpoint calls this once in forward and again for each recompute in backward.
@@ -56,12 +64,13 @@ def _ckpt_forward(self: nn.Module, *args, **kwargs):
         calls += 1
         if calls == 1:
             return inner(*a, **kwargs)
-        with throwaway_running_stats(self):
+        with throwaway_running_stats(self, spares):
             return inner(*a, **kwargs)
 
     # kwargs reach `run` by closure, not through checkpoint(), so a module keyword named like one of
     # checkpoint's own (debug, context_fn, determinism_check) cannot collide.
-    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
+    extra = {"context_fn": context_fn(policy)} if policy is not None else {}
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **extra)
 
 
 def _is_wrapped(module: nn.Module) -> bool:
@@ -191,14 +200,23 @@ def apply(model: nn.Module, plan_or_path: Plan | str | Path | dict | Sequence) -
 
 
 def _checkpoint(model: nn.Module, entry: Entry, blocks: list[nn.Module]) -> None:
-    """Action.CHECKPOINT: one module under non-reentrant checkpoint, or a run of blocks as one region."""
+    """Action.CHECKPOINT: one module under non-reentrant checkpoint, or a run of blocks as one region;
+    Action.SELECTIVE: one module under checkpoint with its op policy (plan/policy.py)."""
     if not entry.is_segment:
         module = blocks[0]
         if _is_wrapped(module):
+            if module.__dict__.get(_POLICY_ATTR) != entry.policy:
+                raise PlanError(
+                    f"{entry.modules[0]} is already checkpointed "
+                    + (f"under policy {module.__dict__[_POLICY_ATTR]}" if module.__dict__.get(_POLICY_ATTR) else "whole"),
+                    hint="call ckpt_tune.remove(model) first, or apply one plan only",
+                )
             return
         own = module.__dict__.get("forward")
         if own is not None:
             setattr(module, _INNER_ATTR, own)
+        if entry.policy is not None:
+            setattr(module, _POLICY_ATTR, entry.policy)
         module.forward = types.MethodType(_ckpt_forward, module)
         return
     if _same_segment(blocks):
@@ -213,7 +231,7 @@ def _checkpoint(model: nn.Module, entry: Entry, blocks: list[nn.Module]) -> None
 
 
 # One wrapper per kind of entry (docs/design.md §7).
-_WRAPPERS = {Action.CHECKPOINT: _checkpoint}
+_WRAPPERS = {Action.CHECKPOINT: _checkpoint, Action.SELECTIVE: _checkpoint}
 
 
 def _same_segment(blocks: list[nn.Module]) -> bool:
@@ -234,6 +252,7 @@ def remove(model: nn.Module) -> None:
             module.__dict__[SEGMENT_ATTR][0].unwrap()  # all its blocks, and its hook on the model
             continue
         inner = module.__dict__.pop(_INNER_ATTR, None)
+        module.__dict__.pop(_POLICY_ATTR, None)
         del module.__dict__["forward"]
         if inner is not None:
             module.forward = inner

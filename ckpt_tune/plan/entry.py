@@ -1,8 +1,10 @@
 """What a plan does, as a type: an entry names what it acts on and what it does there (docs/design.md §7).
 
 An entry acts on one module (`blocks.3`) or on a run of consecutive blocks (`blocks.2..blocks.4`, a
-segment), and its `action` says what happens there. Today there is one action, `checkpoint`:
-non-reentrant activation checkpointing over the module, or over the whole run as one region.
+segment), and its `action` says what happens there: `checkpoint` (non-reentrant activation
+checkpointing over the module, or over the whole run as one region) or `selective` (checkpointing one
+module under an op-level policy of plan/policy.py: the outputs of the ops the policy names are kept,
+the rest recomputed).
 
 Each action has one YAML form (`to_data`/`of`, written and read by plan/file.py), one wrapper
 (plan/apply.py; the patch snippet of plan/patch.py mirrors it) and its cost terms in the memory model
@@ -21,11 +23,15 @@ from typing import Any
 
 from ckpt_tune.errors import PlanError
 
+# the policies' names (plan/policy.py holds the rules; it imports torch, this module must not)
+POLICIES = ("matmuls", "half-matmuls", "attention")
+
 
 class Action(str, Enum):
     """What an entry does to the modules it names."""
 
     CHECKPOINT = "checkpoint"  # keep only the inputs; recompute the forward in backward (one region)
+    SELECTIVE = "selective"  # checkpoint one module, but keep the outputs of the ops its policy names
 
 
 @dataclass(frozen=True)
@@ -36,10 +42,12 @@ class Entry:
         modules: the names (from `model.named_modules()`) it acts on: one module, or two or more
             consecutive blocks, called as a chain, that act as one region (a segment).
         action: what it does there.
+        policy: for `selective`, the op-level policy (plan/policy.py POLICIES); None otherwise.
     """
 
     modules: tuple[str, ...]
     action: Action = Action.CHECKPOINT
+    policy: str | None = None
 
     def __post_init__(self) -> None:
         if not self.modules or not all(isinstance(n, str) for n in self.modules):
@@ -47,14 +55,40 @@ class Entry:
                 f"a plan entry names one module or a run of modules, got {list(self.modules)!r}",
                 hint="write a module name, or a list of consecutive blocks' names",
             )
+        if self.policy is not None or self.action is Action.SELECTIVE:
+            if self.policy not in POLICIES:
+                raise PlanError(
+                    f"unknown op policy {self.policy!r} for {self.modules[0]}",
+                    hint=f"a policy is one of {', '.join(POLICIES)}",
+                )
+            if len(self.modules) != 1:
+                raise PlanError(
+                    f"an op policy applies to one module, got a segment {list(self.modules)!r}",
+                    hint="write the entry as {module: NAME, policy: POLICY}",
+                )
+            object.__setattr__(self, "action", Action.SELECTIVE)
+
+    @classmethod
+    def selective(cls, module: str, policy: str) -> Entry:
+        return cls((module,), Action.SELECTIVE, policy)
 
     @classmethod
     def of(cls, value: Any) -> Entry:
-        """An entry from its data form: a module name, a list/tuple of names (a segment), or an Entry."""
+        """An entry from its data form: a module name, a list/tuple of names (a segment), a mapping
+        `{module: NAME, policy: POLICY}` or its short form `NAME@POLICY` (a module under an op
+        policy), or an Entry."""
         if isinstance(value, Entry):
             return value
         if isinstance(value, str):
-            return cls((value,))
+            name, at, policy = value.rpartition("@")
+            return cls.selective(name, policy) if at and policy in POLICIES else cls((value,))
+        if isinstance(value, dict):
+            if set(value) != {"module", "policy"} or not all(isinstance(v, str) for v in value.values()):
+                raise PlanError(
+                    f"a plan entry with an op policy has the keys module and policy, got {value!r}",
+                    hint="e.g. {module: blocks.3, policy: matmuls}",
+                )
+            return cls.selective(value["module"], value["policy"])
         if isinstance(value, (list, tuple)) and all(isinstance(n, str) for n in value):
             if len(value) < 2:
                 raise PlanError(
@@ -63,8 +97,9 @@ class Entry:
                 )
             return cls(tuple(value))
         raise PlanError(
-            f"a plan entry is a module name or a list of module names, got {value!r}",
-            hint='e.g. "blocks.0", or ["blocks.2", "blocks.3"] for one checkpoint over both',
+            f"a plan entry is a module name, a list of module names or a module with a policy, got {value!r}",
+            hint='e.g. "blocks.0", ["blocks.2", "blocks.3"] for one checkpoint over both, '
+            "or {module: blocks.3, policy: matmuls}",
         )
 
     @property
@@ -73,11 +108,16 @@ class Entry:
 
     @property
     def label(self) -> str:
-        """`blocks.0`, or `blocks.2..blocks.4` for a segment."""
+        """`blocks.0`, `blocks.2..blocks.4` for a segment, `blocks.3@matmuls` under a policy."""
+        if self.policy is not None:
+            return f"{self.modules[0]}@{self.policy}"
         return self.modules[0] if not self.is_segment else f"{self.modules[0]}..{self.modules[-1]}"
 
-    def to_data(self) -> str | list[str]:
-        """The entry as the plan file and JSON write it: a name, or a list of names for a segment."""
+    def to_data(self) -> str | list[str] | dict[str, str]:
+        """The entry as the plan file and JSON write it: a name, a list of names for a segment, or
+        `{module, policy}` for a module under an op policy."""
+        if self.policy is not None:
+            return {"module": self.modules[0], "policy": self.policy}
         return self.modules[0] if not self.is_segment else list(self.modules)
 
 
@@ -92,9 +132,9 @@ def member_names(entries: Iterable[Any]) -> list[str]:
 
 
 def plain(entries: Iterable[Any]) -> tuple[str | tuple[str, ...], ...]:
-    """Entries as hashable data: a module name, or a tuple of names for a segment (a baseline's
-    settings, the result files of the benchmarks, the test harness)."""
-    return tuple(e.modules if e.is_segment else e.modules[0] for e in map(Entry.of, entries))
+    """Entries as hashable data: a module name, a tuple of names for a segment, `name@policy` for a
+    module under an op policy (a baseline's settings, the result files of the benchmarks)."""
+    return tuple(e.modules if e.is_segment else e.label for e in map(Entry.of, entries))
 
 
 def to_data(entries: Iterable[Entry]) -> list[str | list[str]]:

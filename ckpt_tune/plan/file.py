@@ -63,11 +63,18 @@ KEYS = (
 )
 _OPTIONAL_KEYS = ("verified_peak_bytes",)
 _FIX = "plan files are written by `ckpt-tune search --out`"
-_ENTRY_COMMENT = {Action.CHECKPOINT: "one segment: one checkpoint over these blocks"}
+_ENTRY_COMMENT = {
+    Action.CHECKPOINT: "one segment: one checkpoint over these blocks",
+    Action.SELECTIVE: "checkpointed under an op policy",
+}
 
 
 def entry_yaml(entry: Entry) -> str:
-    """One item of the `checkpoint` list: `  - name`, or a flow list for a run of blocks."""
+    """One item of the `checkpoint` list: `  - name`, a flow list for a run of blocks, or a flow
+    mapping `{module: name, policy: p}` for a module under an op policy."""
+    if entry.action is Action.SELECTIVE:
+        item = f"  - {{module: {yamlio.flow_name(entry.modules[0])}, policy: {entry.policy}}}"
+        return f"{item.ljust(yamlio.COMMENT_COLUMN - 1)} # {_ENTRY_COMMENT[entry.action]}"
     if not entry.is_segment:
         return f"  - {yamlio.scalar(entry.modules[0])}"
     item = f"  - [{', '.join(yamlio.flow_name(n) for n in entry.modules)}]"
@@ -173,18 +180,22 @@ def _from_mapping(data: dict, where: str) -> Plan:
 
 
 def _checkpoint_entries(value: Any, f: yamlio.Fields) -> tuple[Entry, ...]:
-    """The `checkpoint` list: module names, and segments as lists of two or more names."""
+    """The `checkpoint` list: module names, segments as lists of two or more names, and modules under
+    an op policy as `{module: name, policy: p}`."""
     if value is None:
         return ()
     segment_ok = lambda e: isinstance(e, (list, tuple)) and len(e) >= 2 and all(isinstance(n, str) for n in e)  # noqa: E731
-    if not isinstance(value, (list, tuple)) or not all(isinstance(e, (str, Entry)) or segment_ok(e) for e in value):
+    if not isinstance(value, (list, tuple)) or not all(isinstance(e, (str, Entry, dict)) or segment_ok(e) for e in value):
         raise f.fail(
             "checkpoint",
             f"must be a list of module names (strings), got {value!r}",
             "list names from model.named_modules(), one per line: `  - blocks.0`; "
             "a segment (one checkpoint over consecutive blocks) is a list of two or more: `  - [blocks.2, blocks.3]`",
         )
-    entries = tuple(Entry.of(e) for e in value)
+    try:
+        entries = tuple(Entry.of(e) for e in value)
+    except PlanError as e:
+        raise f.fail("checkpoint", e.message, e.hint) from None
     names = member_names(entries)
     if "" in names:
         raise f.fail("checkpoint", "names the root module ''", "checkpoint submodules, e.g. blocks.0, not the whole model")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import json
 
-from ckpt_tune.plan import segment
+from ckpt_tune.plan import policy, segment
 from ckpt_tune.plan.entry import Entry
 from ckpt_tune.plan.file import Plan
 from ckpt_tune.units import format_bytes
@@ -32,6 +32,10 @@ def _ckpt_forward(self, *args, **kwargs):
     if not (self.training and torch.is_grad_enabled()):
         return inner(*args, **kwargs)
     calls = []
+    norms = [m for m in self.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)]
+    policy = self.__dict__.get("_ckpt_policy")
+    # under an op policy the recompute must run exactly the forward's ops: copies made out here
+    spares = [b.clone() for m in norms for b in m._buffers.values() if b is not None] if policy else None
 
     def run(*a):
         calls.append(None)
@@ -39,17 +43,17 @@ def _ckpt_forward(self, *args, **kwargs):
             return inner(*a, **kwargs)
         # Recompute in backward: BatchNorm would update its running stats a second time
         # (pytorch#96136). Let it update throwaway copies; its output is bit-for-bit the same.
-        norms = [m for m in self.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)]
         kept = [(m, k, b) for m in norms for k, b in m._buffers.items() if b is not None]
-        for m, k, b in kept:
-            m._buffers[k] = b.clone()
+        for (m, k, b), spare in zip(kept, spares or [b.clone() for *_, b in kept]):
+            m._buffers[k] = spare
         try:
             return inner(*a, **kwargs)
         finally:
             for m, k, b in kept:
                 m._buffers[k] = b
 
-    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
+    extra = {"context_fn": context_fn(policy)} if policy else {}
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **extra)
 
 
 def {plain_name}(model):
@@ -57,14 +61,14 @@ def {plain_name}(model):
         if getattr(getattr(m, "config", None), "use_cache", None) is True:
             m.config.use_cache = False
     for name in CKPT_MODULES:
-{segment_branch}
+{policy_branch}{segment_branch}
         module = model.get_submodule(name)
         own = module.__dict__.get("forward")
         if getattr(own, "__name__", None) == "_ckpt_forward":
             continue  # already wrapped
         if own is not None:
             module._ckpt_inner_forward = own
-        module.forward = types.MethodType(_ckpt_forward, module)
+{policy_set}        module.forward = types.MethodType(_ckpt_forward, module)
     return model
 """
 
@@ -72,6 +76,14 @@ _SNIPPET_SEGMENT_BRANCH = """        if not isinstance(name, str):  # a segment:
             if getattr(model.get_submodule(name[0]).__dict__.get("forward"), "__name__", None) != SEGMENT_FORWARD:
                 checkpoint_segment(model, list(name))
             continue
+"""
+
+_SNIPPET_POLICY_BRANCH = """        policy = None
+        if isinstance(name, dict):  # a module under an op policy: keep the outputs of the ops it names
+            name, policy = name["module"], name["policy"]
+"""
+_SNIPPET_POLICY_SET = """        if policy is not None:
+            module._ckpt_policy = policy
 """
 
 # Hugging Face form: transformers' own per-layer switch (GradientCheckpointingLayer.gradient_checkpointing,
@@ -124,10 +136,14 @@ def patch_snippet(plan: Plan, *, hf: bool = False) -> str:
         "# Paste after building `model`, before creating the optimizer and before FSDP / torch.compile.",
     ]
     segments = any(e.is_segment for e in plan.checkpoint)
-    hf = hf and not segments  # Hugging Face's per-layer switch cannot checkpoint several layers as one
+    policies = any(e.policy is not None for e in plan.checkpoint)
+    # Hugging Face's per-layer switch cannot checkpoint several layers as one, nor under an op policy
+    hf = hf and not segments and not policies
 
     def literal(e: Entry) -> str:  # json.dumps writes a valid Python string literal for any name
         names = [json.dumps(n) for n in e.modules]
+        if e.policy is not None:
+            return f'{{"module": {names[0]}, "policy": {json.dumps(e.policy)}}}'
         return names[0] if not e.is_segment else "(" + ", ".join(names) + ")"
 
     names = (
@@ -138,18 +154,24 @@ def patch_snippet(plan: Plan, *, hf: bool = False) -> str:
     body = _SNIPPET_WRAPPER.replace("{names}", names).replace(
         "{plain_name}", "_apply_plain" if hf else "apply_checkpointing"
     )
+    body = body.replace("{policy_branch}", _SNIPPET_POLICY_BRANCH if policies else "")
     body = body.replace("{segment_branch}\n", _SNIPPET_SEGMENT_BRANCH if segments else "")
+    body = body.replace("{policy_set}", _SNIPPET_POLICY_SET if policies else "")
+    if policies:
+        body = _module_source(policy, "Op-level policies (ckpt_tune/plan/policy.py, verbatim)") + body
+    else:  # no policy in the plan: the wrapper's `context_fn` is never called
+        body = body.replace('extra = {"context_fn": context_fn(policy)} if policy else {}', "extra = {}")
     if segments:
-        body = _segment_source() + body
+        body = _module_source(segment, "Segments: consecutive blocks under one checkpoint (ckpt_tune/plan/segment.py, verbatim)") + body
     if hf:
         body += _SNIPPET_HF
     return "\n".join(header) + "\n" + body + "\n\nmodel = apply_checkpointing(model)\n"
 
 
-def _segment_source() -> str:
-    """ckpt_tune/plan/segment.py as snippet code: its docstring as comments, no `from __future__`."""
-    text = inspect.getsource(segment)
-    doc = segment.__doc__ or ""
+def _module_source(module, title: str) -> str:
+    """A torch-only module of ckpt_tune/plan as snippet code: its docstring as comments, no `from __future__`."""
+    text = inspect.getsource(module)
+    doc = module.__doc__ or ""
     body = text.split('"""', 2)[2].replace("from __future__ import annotations\n", "")
     comment = "\n".join(("# " + line).rstrip() for line in doc.strip().splitlines())
-    return "\n# Segments: consecutive blocks under one checkpoint (ckpt_tune/plan/segment.py, verbatim).\n" + comment + "\n" + body
+    return f"\n# {title}.\n" + comment + "\n" + body

@@ -40,24 +40,33 @@ SEGMENT_ATTR = "_ckpt_segment"  # (Segment, position) on each block of a segment
 INNER_ATTR = "_ckpt_inner_forward"  # a forward the instance had before wrapping
 
 
-@contextmanager
-def throwaway_running_stats(module: nn.Module):
-    """Let every norm layer inside `module` update clones of its running statistics, then put the
-    real buffers back (the recompute must not update them a second time: pytorch#96136).
-
-    Clones, not `running_mean=None`: the recompute must run the same kernel with the same arguments,
-    so that it saves as many tensors as the first forward (non-reentrant checkpoint matches them by
-    position) and its outputs are bit-for-bit those of the first forward.
-    """
-    kept = [
+def running_stats(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """(norm layer, buffer name, buffer) of every running statistic inside `module`."""
+    return [
         (m, name, buf)
         for m in module.modules()
         if isinstance(m, nn.modules.batchnorm._NormBase)
         for name, buf in m._buffers.items()
         if buf is not None
     ]
-    for m, name, buf in kept:
-        m._buffers[name] = buf.clone()
+
+
+@contextmanager
+def throwaway_running_stats(module: nn.Module, spares: list[torch.Tensor] | None = None):
+    """Let every norm layer inside `module` update clones of its running statistics, then put the
+    real buffers back (the recompute must not update them a second time: pytorch#96136).
+
+    Clones, not `running_mean=None`: the recompute must run the same kernel with the same arguments,
+    so that it saves as many tensors as the first forward (non-reentrant checkpoint matches them by
+    position) and its outputs are bit-for-bit those of the first forward. `spares`: clones made before
+    the checkpointed region (`[b.clone() for *_, b in running_stats(module)]`), for a region under an
+    op policy, whose recompute must run exactly the ops of its forward and no clone.
+    """
+    kept = running_stats(module)
+    if spares is None:
+        spares = [buf.clone() for _, _, buf in kept]
+    for (m, name, _), spare in zip(kept, spares):
+        m._buffers[name] = spare
     try:
         yield
     finally:
