@@ -87,11 +87,14 @@ def wrap_segments(model: nn.Module, units: Sequence[str], segments: Sequence[tup
 SEGMENT_CHAIN_OK = {"gpt": True, "hf_gpt2": True, "resnet": True, "unet": False}
 
 
-def sqrt_segments(n: int) -> list[tuple[int, int]]:
-    """checkpoint_sequential's split of n blocks into round(sqrt(n)) segments of near-equal length."""
-    k = max(1, round(n**0.5))
-    size = -(-n // k)
-    return [(s, min(s + size, n)) for s in range(0, n, size)]
+def sqrt_segments(n: int, segments: int | None = None) -> list[tuple[int, int]]:
+    """The split `torch.utils.checkpoint.checkpoint_sequential(functions, segments, input)` makes of n
+    blocks: `segments - 1` segments of floor(n / segments) blocks each, and the remainder in the last one
+    (which it runs without checkpointing). `segments` defaults to round(sqrt(n)), Chen et al.'s sqrt(n)."""
+    k = max(1, min(n, segments if segments is not None else round(n**0.5)))
+    size = n // k
+    cuts = [(s, s + size) for s in range(0, size * (k - 1), size)]
+    return [*cuts, (size * (k - 1), n)]
 
 
 # -- the harness ----------------------------------------------------------------------------------------

@@ -1,25 +1,36 @@
 """Plan quality: checkpoint plans from several methods under the same budgets, measured side by side.
 
 For each example at a fixed batch, four budgets between the harness-measured peaks of every-block
-checkpointing and of no checkpointing (20/40/60/80% of the way up). Methods:
+checkpointing and of no checkpointing (20/40/60/80% of the way up). Methods (peers first):
 
 - no checkpointing; every block checkpointed (one unit per block);
-- `checkpoint_sequential`-style: round(sqrt(n)) segments of consecutive blocks, each segment ONE
-  checkpoint, all but the last segment checkpointed (Chen et al. 2016's sqrt(n) spacing);
-- Chen et al. 2016's greedy budget heuristic ("Training Deep Nets with Sublinear Memory Cost", §4.3):
-  walk the blocks accumulating their saved bytes, close a segment when the sum passes B; over a grid of
-  B (every contiguous run's sum), take the plan with the fewest recomputed blocks whose x + y memory
-  estimate (Chen's: the largest recomputed segment plus the stored segment inputs, on top of the
-  no-checkpointing peak less all block activations) fits the budget;
-- the brute-force optimum of ckpt-tune's memory model over its candidates (`planner.brute_force`);
+- sqrt(n) as `torch.utils.checkpoint.checkpoint_sequential(blocks, round(sqrt(n)), x)` runs it: the
+  first k-1 segments of floor(n/k) blocks each checkpointed as ONE unit, the remainder in the last
+  segment, run without checkpointing (common.sqrt_segments);
+- Chen et al. 2016's greedy ("Training Deep Nets with Sublinear Memory Cost", §4.3, Algorithm 3): walk
+  the blocks accumulating their saved bytes; when the running sum passes B the block's output becomes a
+  stored checkpoint and a new segment starts. Chen's memory estimate of a split is x + y: y the stored
+  segment inputs, x the largest segment's activations, the last segment (kept from forward, never
+  recomputed, and never live together with a recomputed one) counted as one of the segments, not added
+  on top; on a base of the no-checkpointing peak less all block activations. Chen search B over a grid;
+  to meet a budget here: over every contiguous run's sum as B, the split with the fewest recomputed blocks
+  whose estimate fits the budget. Segments as checkpoint_sequential runs them (all but the last);
 - PyTorch's `torch.distributed._tools.sac_ilp`, where it runs (it does not here: see the results);
-- ckpt-tune's planner as `search --batch-size B --vram BUDGET` runs it: solve, verify, tighten.
+- ckpt-tune's planner as `search --batch-size B --vram BUDGET` runs it: solve, verify, tighten;
+- the optimality check (not a peer): the brute-force optimum over ckpt-tune's own candidates on its own
+  memory model's terms (`planner.brute_force`): it tells whether ckpt-tune's planner found the cheapest
+  plan its model allows, nothing about the model.
+
+TODO (issue 17): Hugging Face `activation_checkpointing_enable(every_n_layers=...)` (transformers 5.24
+has it; `gradient_checkpointing_enable` forwards it) and `torch.compile` with
+`torch._functorch.config.activation_memory_budget` (CPU inductor) as peers: to be imported from
+benchmarks/peers.py, which another change is writing; not yet in the tree.
 
 Every plan's peak is measured by the independent harness (common.measured_peak, own wrappers); recompute
 overhead is the median step time with the plan over the median without, all plans of a model timed in
 the same process with interleaved repeats.
 
-    .venv/bin/python benchmarks/plan_quality.py [--models gpt,resnet] [--repeats 7]
+    .venv/bin/python benchmarks/plan_quality.py [--models gpt,resnet] [--repeats 7] [--quick] [--allow-dirty]
 """
 
 from __future__ import annotations
@@ -59,6 +70,7 @@ from ckpt_tune.tune.planner import brute_force
 BATCH = {"gpt": 8, "resnet": 16, "unet": 8, "hf_gpt2": 2}
 FRACTIONS = (0.2, 0.4, 0.6, 0.8)
 BRUTE_MAX = 10  # blocks; K^10 predictions
+OPTIMALITY = "optimality check: brute force on ckpt-tune's model (not a peer)"
 TARGET_S = 6.0  # timed seconds of the no-checkpointing plan: more repeats for models with short steps
 
 
@@ -116,14 +128,14 @@ def chen_segments(abar: list[int], b: float) -> list[tuple[int, int]]:
 
 
 def chen_estimate(segs: list[tuple[int, int]], abar: list[int], ain: list[int], p_none: int) -> int:
-    """Chen's x + y: stored segment inputs (y) plus the largest recomputed segment (x), on a base of the
-    no-checkpointing peak without the blocks' activations; the last segment keeps its activations."""
+    """Chen's x + y on a base of the no-checkpointing peak without the blocks' activations: y the stored
+    inputs of the checkpointed segments (all but the last), x the largest segment's activations. The last
+    segment's activations are live at the end of forward, a recomputed segment's during its backward,
+    never both (the last segment's are freed by then): x is the larger of the two, not their sum."""
     base = p_none - sum(abar)
-    ck = segs[:-1]
-    y = sum(ain[s] for s, _ in ck)
-    x = max((sum(abar[s:e]) for s, e in ck), default=0)
-    kept = sum(sum(abar[s:e]) for s, e in segs[-1:])
-    return base + kept + y + x
+    y = sum(ain[s] for s, _ in segs[:-1])
+    x = max(sum(abar[s:e]) for s, e in segs)
+    return base + y + x
 
 
 def chen_plan(abar: list[int], ain: list[int], p_none: int, budget: int) -> tuple[PlanSpec, int]:
@@ -193,7 +205,7 @@ def run_model(name: str, repeats: int) -> dict:
         t, costs = s.terms(b), s.costs(b)
         if n <= BRUTE_MAX:
             bf = brute_force(t, costs, budget)
-            entry["plans"]["brute force (model)"] = (
+            entry["plans"][OPTIMALITY] = (
                 {"plan": PlanSpec(names=plain(bf.names(t))), "predicted_bytes": bf.peak} if bf else {"plan": None, "note": "nothing fits the model"}
             )
         try:
@@ -244,13 +256,20 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(EXAMPLES))
     ap.add_argument("--repeats", type=int, default=7, help="timed steps per plan (interleaved), at least 5")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: stable timings on a shared machine)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: GPT and ResNet, budgets at 40% and 80%, 5 repeats")
     args = ap.parse_args()
+    global FRACTIONS, TARGET_S
+    if args.quick:
+        args.models, args.repeats, FRACTIONS, TARGET_S = "gpt,resnet", 5, (0.4, 0.8), 0.0
     torch.set_num_threads(args.threads)
     sac = try_sac_ilp()
     results = [run_model(m, max(5, args.repeats)) for m in args.models.split(",")]
     methods = list(dict.fromkeys(k for r in results for e in r["budgets"] for k in e["plans"]))
     if sac:
         methods.append("sac_ilp (torch)")
+    if OPTIMALITY in methods:  # last, below the line: a check of ckpt-tune's planner, not a peer
+        methods.remove(OPTIMALITY)
+        methods.append(OPTIMALITY)
     summary = {}
     for meth in methods:
         cells = [e["plans"][meth] for r in results for e in r["budgets"] if meth in e["plans"]]
@@ -273,7 +292,16 @@ def main() -> None:
         "Four budgets per model between the harness-measured peaks of every-block checkpointing and of no "
         "checkpointing; each plan's peak measured by the independent harness; overhead = median step time with "
         "the plan / without (same process, interleaved repeats). Plans: `{i,j}` = blocks i and j checkpointed one "
-        "by one; `[a-b]*` = blocks a..b as one checkpointed segment, `[a-b]` = a segment left as is.",
+        "by one; `[a-b]*` = blocks a..b as one checkpointed segment, `[a-b]` = a segment left as is. sqrt(n): "
+        "checkpoint_sequential's split (floor-sized segments, the remainder in the last, unchecked one). Chen greedy: "
+        "Chen's x + y estimate with the last segment counted once. The optimality check is not a peer: it reads "
+        "ckpt-tune's own terms and shows whether the planner found the cheapest plan of its model. "
+        f"Load average at the end: {' '.join(f'{x:.2f}' for x in __import__('os').getloadavg())} on "
+        f"{__import__('os').cpu_count()} CPUs: step times are from a machine shared with other work"
+        f"{'; --quick: GPT and ResNet, two budgets' if args.quick else ''}.",
+        "",
+        "TODO: Hugging Face every_n_layers and torch.compile activation_memory_budget peers (benchmarks/peers.py, "
+        "not yet in the tree).",
         "",
         f"PyTorch's `sac_ilp`: {'ran' if not sac else 'not run here. ' + sac + '.'}",
         "",
@@ -308,7 +336,7 @@ def main() -> None:
                                "model's prediction MiB"], rows))
     body = "\n".join(lines)
     print(body)
-    write("plan_quality", "Plan quality under a budget", {"sac_ilp": sac or "ran", "summary": summary,
+    write("plan_quality", "Plan quality under a budget", {"sac_ilp": sac or "ran", "quick": args.quick, "summary": summary,
           "recompute_measured_over_predicted": recompute, "models": results}, body)
 
 
