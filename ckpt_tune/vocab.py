@@ -25,6 +25,19 @@ def device_kind(device: str) -> str:
     """"cuda:1" -> "cuda": a plan or baseline made on one GPU holds for another of the same kind."""
     return device.split(":", 1)[0]
 SHARDS = ("none", "zero1", "zero2", "zero3", "fsdp")
+# kinds of plan choices (`search --candidates`): whole blocks (and the groups of blocks that hold
+# them), a block's sub-modules, runs of blocks under one checkpoint, op-level policies of a block
+CANDIDATES = ("blocks", "submodules", "segments", "ops")
+
+
+def candidate_kinds(text: str) -> frozenset[str]:
+    """`blocks,ops` -> the kinds of plan choice named (`all`: every kind); an unknown one is an error."""
+    words = [w.strip() for w in text.split(",") if w.strip()]
+    if words == ["all"]:
+        return frozenset(CANDIDATES)
+    if not words:
+        raise CkptTuneError("--candidates names no kind of choice", f"use a comma-separated list of {', '.join(CANDIDATES)}")
+    return frozenset(known("candidate kind", w, CANDIDATES, "--candidates kind") for w in words)
 
 
 def known(kind: str, value: Any, choices: Sequence[str], flag: str | None = None) -> str:

@@ -42,6 +42,7 @@ def search(
     world_size: Annotated[int, typer.Option("--world-size", min=1, help="GPUs of a sharded data-parallel run: plan per GPU")] = 1,
     shard: Annotated[str, typer.Option("--shard", help="none | zero1 | zero2 | zero3 | fsdp: what is divided by --world-size")] = "none",
     segments: Annotated[bool, typer.Option("--segments/--no-segments", help="also plan runs of consecutive blocks under one checkpoint (--no-segments: one checkpoint per module, e.g. for FSDP wrapped per block)")] = True,
+    candidates: Annotated[str, typer.Option("--candidates", help="kinds of choice the planner may use, comma-separated: blocks (whole blocks and the stages holding them), submodules (a block's attention or MLP), segments (runs of blocks under one checkpoint), ops (op-level policies of a block: keep matmul outputs, recompute the rest); or all")] = "all",
     out: Annotated[Path | None, typer.Option("--out", help="write the plan YAML here")] = None,
     patch: Annotated[Path | None, typer.Option("--patch", help="write the patch snippet here")] = None,
     as_json: Json = False,
@@ -51,12 +52,15 @@ def search(
     from ckpt_tune.plan.file import plan_to_yaml, write_plan
     from ckpt_tune.plan.patch import patch_snippet
     from ckpt_tune.tune import search as search_api
+    from ckpt_tune.vocab import candidate_kinds
 
     settings = options.settings(device, precision, optimizer, batch_fn, loss_fn, hf_config, seq_len, attn)
+    kinds = candidate_kinds(candidates)
     t0 = time.perf_counter()
     with report.progress("searching") as update:
         outcome = search_api.search(target, vram, batch_size=batch_size, target_batch=target_batch, margin=margin,
-                             settings=settings, progress=update, world_size=world_size, shard=shard, segments=segments)
+                             settings=settings, progress=update, world_size=world_size, shard=shard, segments=segments,
+                                    candidates=kinds)
     elapsed = time.perf_counter() - t0
     plan_yaml = plan_to_yaml(outcome.plan)
     snippet = patch_snippet(outcome.plan, hf=outcome.is_hf)

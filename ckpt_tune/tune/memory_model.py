@@ -40,8 +40,29 @@ from dataclasses import dataclass, field
 
 from ckpt_tune.plan.entry import Entry
 
-# Options of a block: 0 = stored normally, 1 = the whole block checkpointed, 2.. = one named
-# sub-module of the block checkpointed (Terms.options names them).
+# Options of a block: 0 = stored normally, 1 = the whole block checkpointed, 2.. = finer options
+# (Terms.options names them): a named sub-module of the block checkpointed (`attn`, `attn+mlp`), or
+# the whole block checkpointed under an op-level policy (`@matmuls`: plan/policy.py).
+POLICY_MARK = "@"
+
+
+def policy_option(policy: str) -> str:
+    """The option name of the whole block checkpointed under op policy `policy`."""
+    return POLICY_MARK + policy
+
+
+def policy_of(option: str) -> str | None:
+    """The op policy an option name stands for, or None (a sub-module option, "none", "block")."""
+    return option[len(POLICY_MARK):] if option.startswith(POLICY_MARK) else None
+
+
+def neighbour_like(options: tuple[str, ...], k: int) -> int:
+    """The basic option (0 stored, 1 checkpointed) option k looks like to the blocks next to it: a
+    sub-module option keeps the block's input and output as option 0 does; a policy option is a
+    checkpoint of the whole block (its input kept by the checkpoint, its own output not)."""
+    if k < 2:
+        return k
+    return 1 if policy_of(options[k]) is not None else 0
 
 
 @dataclass(frozen=True)
@@ -83,9 +104,10 @@ def with_segment(choice: tuple[int, ...], i: int, j: int) -> tuple[int, ...]:
 
 
 def plan_entries(units, options, choice: tuple[int, ...], groups: dict[tuple[int, int], str] | None = None) -> tuple[Entry, ...]:
-    """Plan entries for a choice (docs/design.md §7): the block for option 1, `block.<sub>` for options
-    2.. (one entry per sub-module of an option named `a+b`), for a run i..j the group module whose
-    units they are (`groups`), else the run of the blocks' names (a segment)."""
+    """Plan entries for a choice (docs/design.md §7): the block for option 1, the block under its
+    policy for a policy option, `block.<sub>` for a sub-module option (one entry per sub-module of an
+    option named `a+b`), for a run i..j the group module whose units they are (`groups`), else the
+    run of the blocks' names (a segment)."""
     out: list[Entry] = []
     for i, (u, c) in enumerate(zip(units, choice)):
         if c < SEGMENT_MEMBER:
@@ -93,6 +115,8 @@ def plan_entries(units, options, choice: tuple[int, ...], groups: dict[tuple[int
             out.append(Entry((group,)) if group else Entry(tuple(units[i : i - c])))
         elif c == 1:
             out.append(Entry((u,)))
+        elif c > 1 and (policy := policy_of(options[c])) is not None:
+            out.append(Entry.selective(u, policy))
         elif c > 1:
             out.extend(Entry((f"{u}.{sub}",)) for sub in options[c].split("+"))
     return tuple(out)
@@ -287,10 +311,11 @@ def combine(
 ) -> Terms:
     """Assemble Terms from the probe runs: each block's pair terms from the run that shows that pair.
 
-    Pairs no run shows involve a finer option (k >= 2), which keeps the block's input and output as
-    option 0 does: (p, k) = (k, k) shifted by how predecessor p changes option 0, i.e. + (p', 0) - (0, 0)
-    with p' = p for p in {0, 1} and 0 otherwise; (k, q) = (0, q) for q in {0, 1}; (j, k) = (k, k).
-    A block whose runs never show option k (it has no such sub-module) gets UNAVAILABLE terms for it.
+    Pairs no run shows involve a finer option (k >= 2), which looks to its neighbours like a basic
+    option a = neighbour_like(k) (0 for a sub-module option, 1 for a policy option): (p, k) is the pair
+    its run showed, (p0, k), shifted by how the predecessor changes option a: + (p', a) - (p0', a), with
+    p' = neighbour_like(p); and (k, q) = (a, q) for q in {0, 1}. A block whose runs never show option k
+    (it has no such sub-module) gets UNAVAILABLE terms for it.
     """
     n, K = len(units), len(options)
     blocks = []
@@ -305,23 +330,20 @@ def combine(
             if (prev, own) not in vals:
                 raise ValueError(f"probe runs miss pair {(prev, own)} of block {units[i]}")
 
-        def shift(p: int, vals=vals) -> list[int]:
-            q = p if p in (0, 1) else 0
-            return [a - b for a, b in zip(vals[(q, 0)], vals[(0, 0)])]
-
         for own in range(2, K):
+            a = neighbour_like(options, own)
             seen = [p for p in range(K) if (p, own) in vals]
             if not seen:  # block i lacks this option: priced out
                 for prev in range(K):
                     vals[(prev, own)] = (UNAVAILABLE,) * 3
             else:
-                # (p, own) = (own, own) + shift(p); (own, own) from the pair the option's run showed
-                p0 = own if own in seen else seen[0]
-                same = [x - y for x, y in zip(vals[(p0, own)], shift(p0))]
+                p0 = own if own in seen else seen[0]  # the pair the option's run showed
+                ref = vals[(neighbour_like(options, p0), a)]
                 for prev in range(K):
-                    vals.setdefault((prev, own), tuple(x + y for x, y in zip(same, shift(prev))))
+                    step = vals[(neighbour_like(options, prev), a)]
+                    vals.setdefault((prev, own), tuple(x + y - z for x, y, z in zip(vals[(p0, own)], step, ref)))
             for q in (0, 1):
-                vals.setdefault((own, q), vals[(0, q)])
+                vals.setdefault((own, q), vals[(a, q)])
         order = [(p, o) for p in range(K) for o in range(K)]
         blocks.append(BlockTerms(*(tuple(vals[po][j] for po in order) for j in range(3))))
     base = max(c.base for c in cuts)

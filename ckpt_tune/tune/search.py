@@ -46,10 +46,12 @@ def search(
     world_size: int = 1,
     shard: str = "none",
     segments: bool = True,
+    candidates: frozenset[str] | None = None,
 ) -> SearchOutcome:
     """Largest batch (or the given one) that fits `vram`, with the cheapest verified checkpoint plan.
 
-    `segments`: also consider runs of consecutive blocks under one checkpoint (ckpt_tune/segment.py)."""
+    `segments`: also consider runs of consecutive blocks under one checkpoint (ckpt_tune/segment.py).
+    `candidates`: the kinds of choice the planner may use (vocab.CANDIDATES; None: all)."""
     t0 = time.perf_counter()
     t = load(target, settings)
     device = resolve_device(settings.device)
@@ -58,7 +60,9 @@ def search(
     _model, runner, step = build_runner(t, settings)
     built_s = round(time.perf_counter() - t0, 2)
     with user_errors("searching"), runner:
-        searcher = Searcher(runner, progress=progress, world_size=world_size, shard=shard, segments=segments)
+        searcher = Searcher(
+            runner, progress=progress, world_size=world_size, shard=shard, segments=segments, candidates=candidates
+        )
         fixed = batch_size
         if target_batch is not None and batch_size is None:
             fixed = None

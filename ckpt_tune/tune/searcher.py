@@ -21,8 +21,9 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from ckpt_tune.errors import NoFitError, UserCodeError
+from ckpt_tune.measure.op_costs import recompute_shares
 from ckpt_tune.measure.runner import StepRunner, Timing, unique_bytes
-from ckpt_tune.plan.entry import Entry, member_names, to_data
+from ckpt_tune.plan.entry import POLICIES, Entry, member_names, to_data
 from ckpt_tune.plan.segment import available as segment_available
 from ckpt_tune.tune.candidates import (
     chain_of,
@@ -33,13 +34,18 @@ from ckpt_tune.tune.candidates import (
     has_sub_option,
 )
 from ckpt_tune.tune.memory_model import (
+    UNAVAILABLE,
+    BlockTerms,
     RunCut,
     SegmentTerms,
     Terms,
     combine,
     cut_run,
     estimate_segments,
+    pair_index,
     plan_entries,
+    policy_of,
+    policy_option,
     predict,
     probe_configs,
     segment_terms,
@@ -60,6 +66,7 @@ from ckpt_tune.tune.repeats import (
 from ckpt_tune.tune.sharding import check_shard, peak_of, per_gpu_terms, shard_moment, static_per_gpu
 from ckpt_tune.tune.verify import MAX_TIGHTENINGS
 from ckpt_tune.units import format_bytes
+from ckpt_tune.vocab import CANDIDATES
 
 MAX_BATCH = 1 << 16
 # A batch the fitted (linear) terms put this far over budget is taken as not fitting without probing it.
@@ -110,6 +117,14 @@ class SearchResult:
     stage_seconds: dict[str, float] = field(default_factory=dict)  # wall time per stage of the search
 
 
+class _OptionFailed(Exception):
+    """The probe step of one finer option failed (Searcher._option_probe)."""
+
+    def __init__(self, label: str) -> None:
+        super().__init__(label)
+        self.label = label
+
+
 class Searcher:
     """Holds a StepRunner and the units; caches probes per batch size."""
 
@@ -121,10 +136,13 @@ class Searcher:
         world_size: int = 1,
         shard: str = "none",
         segments: bool = False,
+        candidates: frozenset[str] | None = None,
     ):
         self.runner = runner
+        # the kinds of choice the planner may use (vocab.CANDIDATES); None: all
+        self.candidates = frozenset(CANDIDATES if candidates is None else candidates)
         # also consider runs of consecutive blocks under one checkpoint (segment.py), where torch can
-        self.use_segments = segments and segment_available()
+        self.use_segments = segments and "segments" in self.candidates and segment_available()
         self.segment_keys: tuple[tuple[int, int], ...] = ()
         self.accum_steps = 1  # micro-batches per optimizer step of the iteration searched
         # caches per kind of iteration: 1 = one batch, 2 = a later micro-batch of an accumulated step
@@ -184,7 +202,11 @@ class Searcher:
             chain.append(u)
         self.units = tuple(chain)
         self.spans = group_spans(self.units, {g: v for g, v in self.groups.items() if g not in self.units})
-        self.options = ("none", "block", *find_sub_options(self.runner.model, self.units))
+        if "blocks" not in self.candidates:  # groups are whole modules checkpointed: the "blocks" kind
+            self.spans = {}
+        subs = find_sub_options(self.runner.model, self.units) if "submodules" in self.candidates else []
+        policies = self._useful_policies(batch_size) if "ops" in self.candidates else []
+        self.options = ("none", "block", *subs, *(policy_option(p) for p in policies))
         keys: set[tuple[int, int]] = set(self.spans)
         if self.use_segments:
             # a segment may span blocks called as a chain: each one's input is the previous one's output
@@ -202,8 +224,47 @@ class Searcher:
         # a plain runner only: HostGuard bounds later steps by the ones it ran, which a shortened step would fool
         self.repeat = find_repeat(self.runner.model, self.units) if type(self.runner) is StepRunner else None
 
+    def _useful_policies(self, batch_size: int) -> list[str]:
+        """The op policies that keep something in some block (one forward, measure/op_costs.py): a
+        policy that keeps nothing is checkpointing the whole block, at the price of a recorded step."""
+        shares = recompute_shares(self.runner, batch_size, self.units, POLICIES, repeats=1)
+        useful = [p for p in POLICIES if any(shares[(u, p)] < 1.0 for u in self.units)]
+        if len(useful) < len(POLICIES):
+            self.notes.append(
+                "op policies that keep no op of any block, left out: "
+                + ", ".join(p for p in POLICIES if p not in useful)
+            )
+        return useful
+
     def _has(self, i: int, option: int) -> bool:
-        return has_sub_option(self.runner.model, self.units[i], self.options[option])
+        name = self.options[option]
+        return policy_of(name) is not None or has_sub_option(self.runner.model, self.units[i], name)
+
+    def _drop_option(self, label: str, error: BaseException) -> None:
+        """A finer option whose probe step failed (an op policy that a block's in-place ops defeat)
+        is no candidate: drop it and forget what was measured with it."""
+        k = int(label.removeprefix("option"))
+        name = self.options[k]
+        self.options = tuple(o for o in self.options if o != name)
+        for cache in (*self._terms_by_kind.values(), *self._segments_by_kind.values()):
+            cache.clear()
+        self._short_cuts.clear()
+        self._costs.clear()
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        self.notes.append(f"option {name} dropped: its probe step failed ({type(error).__name__}: {first[:160]})")
+
+    def _restrict(self, t: Terms) -> Terms:
+        """Without the "blocks" kind, no block is checkpointed whole (its terms stay in the model:
+        segments are estimated from them)."""
+        if "blocks" in self.candidates:
+            return t
+        K = t.k
+        off = {pair_index(p, 1, K) for p in range(K)}
+
+        def cut(xs: tuple[int, ...]) -> tuple[int, ...]:
+            return tuple(UNAVAILABLE if j in off else x for j, x in enumerate(xs))
+
+        return replace(t, blocks=tuple(BlockTerms(cut(b.d), cut(b.F), cut(b.B)) for b in t.blocks))
 
     def names(self, choice: tuple[int, ...]) -> list[Entry]:
         """Plan entries of a choice (memory_model.plan_entries)."""
@@ -243,7 +304,13 @@ class Searcher:
             self.notes.append(f"batch {batch_size}: the plain step does not fit the device; times scaled from batch {self.b2}")
             t, scale = self.runner.time_step(self.b2, repeats=3), batch_size / self.b2
 
+        policies = [p for o in self.options if (p := policy_of(o)) is not None]
+        shares = recompute_shares(self.runner, batch_size if scale == 1.0 else self.b2, self.units, policies)
+
         def cost(u: str, k: int) -> float:
+            policy = policy_of(self.options[k])
+            if policy is not None:  # the block's forward, less the ops the policy keeps
+                return scale * max(t.forward_ms.get(u, 0.0) * shares[(u, policy)], 1e-6)
             mods = [u] if k == 1 else [f"{u}.{sub}" for sub in self.options[k].split("+")]
             return scale * max(sum(t.forward_ms.get(x, 0.0) for x in mods), 1e-6)
 
@@ -268,8 +335,13 @@ class Searcher:
         in every later micro-batch); the first is part of the iteration's fixed term."""
         if batch_size not in self._terms:
             with self._stage("probe"):
-                self._terms[batch_size] = self._probe(batch_size)
-        return self._terms[batch_size]
+                while True:
+                    try:
+                        self._terms[batch_size] = self._probe(batch_size)
+                        break
+                    except _OptionFailed as e:
+                        self._drop_option(e.label, e.__cause__)
+        return self._restrict(self._terms[batch_size])
 
     def _probe(self, batch_size: int) -> Terms:
         t = None
@@ -311,7 +383,8 @@ class Searcher:
             self.progress(f"probing batch {batch_size}: step {j + 1} of {len(configs)} ({label} checkpointed)")
             names = self.names(choice)
             try:
-                m = self.runner.measure(batch_size, checkpoint=names, units=self.units, accum_steps=self._kind)
+                with self._option_probe(label):
+                    m = self.runner.measure(batch_size, checkpoint=names, units=self.units, accum_steps=self._kind)
             except torch.OutOfMemoryError:
                 if batch_size in (self.b1, self.b2):
                     raise
@@ -324,6 +397,18 @@ class Searcher:
             static = m.static_bytes
         return combine(cuts, self.units, static, batch_size, self.options)
 
+    @contextlib.contextmanager
+    def _option_probe(self, label: str):
+        """The probe step of a policy option: a failure of the step (torch refuses the policy on this
+        model, e.g. an in-place op on a kept output) drops the option instead of ending the search."""
+        policy = label.startswith("option") and policy_of(self.options[int(label.removeprefix("option"))]) is not None
+        try:
+            yield
+        except (RuntimeError, UserCodeError) as e:
+            if not policy or isinstance(e, torch.OutOfMemoryError):
+                raise
+            raise _OptionFailed(label) from e
+
     def _shortened_cut(self, batch_size: int, choice: tuple[int, ...], label: str = "none") -> RunCut:
         """One probe on the shortened chain (repeats.py), cached."""
         key = (batch_size, choice)
@@ -334,7 +419,7 @@ class Searcher:
                 f"probing batch {batch_size} on {len(short)} of {len(self.units)} blocks (identical blocks): "
                 f"{label} checkpointed"
             )
-            with shortened(self.runner.model, rep):
+            with shortened(self.runner.model, rep), self._option_probe(label):
                 names = plan_entries(short, self.options, choice)
                 m = self.runner.measure(batch_size, checkpoint=names, units=short)
             self.runs += 1
@@ -404,7 +489,8 @@ class Searcher:
 
     def drop_estimated_segments(self, batch_size: int) -> None:
         """Keep only segments whose terms were measured (for the predecessor options measured)."""
-        t = self.terms(batch_size)
+        self.terms(batch_size)
+        t = self._terms[batch_size]
         self._terms[batch_size] = replace(t, segments={k: v for k, v in t.segments.items() if v.measured})
 
     def gathered_bytes(self) -> int:
