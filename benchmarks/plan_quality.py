@@ -102,9 +102,15 @@ def _short(name, units: tuple[str, ...]) -> str:
     """Block index, index.sub-module for a finer option (e.g. `3.attn`), [first-last] for a segment."""
     if not isinstance(name, str):
         return f"[{units.index(name[0])}-{units.index(name[-1])}]"
+    if "@" in name:  # an op-level policy entry, `module@policy`
+        module, _, policy = name.rpartition("@")
+        return f"{_short(module, units)}@{policy}"
     if name in units:
         return str(units.index(name))
-    owner = max((u for u in units if name.startswith(u + ".")), key=len)
+    owners = [u for u in units if name.startswith(u + ".")]
+    if not owners:  # a module that holds blocks (a stage), or anything else: its name
+        return name
+    owner = max(owners, key=len)
     return f"{units.index(owner)}.{name[len(owner) + 1:]}"
 
 
