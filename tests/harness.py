@@ -20,10 +20,20 @@ MARK = "harness::measured"
 
 def wrap_blocks(model, names):
     """A plain non-reentrant checkpoint wrapper, independent of ckpt_tune.apply; an entry that is a
-    tuple of names (a plan's segment) runs those blocks as one checkpointed `Segment`. A ckpt-tune plan
-    entry is read for its data only: the names in its `modules`."""
+    tuple of names (a plan's segment) runs those blocks as one checkpointed `Segment`; an entry that
+    is a dict `{"module": name, "policy": p}` (a plan's op-level entry in its data form) or its short
+    form `"name@p"` checkpoints that module selectively (`policy_context`). A ckpt-tune plan entry is
+    read for its data only: its `to_data()` form where it has one, else the names in its `modules`."""
     for name in names:
+        if hasattr(name, "to_data"):
+            name = name.to_data()
         name = getattr(name, "modules", name)
+        if isinstance(name, str) and "@" in name:
+            module, _, policy = name.rpartition("@")
+            name = {"module": module, "policy": policy}
+        if isinstance(name, dict):
+            _wrap_policy(model.get_submodule(name["module"]), name["policy"])
+            continue
         if not isinstance(name, str) and len(name) == 1:
             name = name[0]
         if not isinstance(name, str):
@@ -36,6 +46,45 @@ def wrap_blocks(model, names):
             return cp.checkpoint(_inner, *args, use_reentrant=False, **kwargs)
 
         mod.forward = fwd
+
+
+def policy_context(policy: str):
+    """`context_fn` for a selectively checkpointed module, the harness's own reading of an op policy.
+
+    What the policy names is defined in ckpt_tune/plan/policy.py (its op sets): `matmuls` keeps the
+    outputs of matrix products/convolutions and attention kernels, `half-matmuls` the same but every
+    second matrix product (counted in call order, the forward and the recompute each from one) is
+    recomputed, `attention` keeps the attention kernels' outputs only. Everything else is recomputed."""
+    from ckpt_tune.plan.policy import ATTENTION_OPS, MATMUL_OPS, POLICIES
+
+    if policy not in POLICIES:
+        raise ValueError(f"unknown op policy {policy!r}")
+
+    def make():
+        count = {False: 0, True: 0}  # matrix products seen, in the forward and in the recompute
+
+        def decide(ctx, op, *args, **kwargs):
+            if op in ATTENTION_OPS:
+                return cp.CheckpointPolicy.MUST_SAVE
+            if op in MATMUL_OPS and policy != "attention":
+                count[ctx.is_recompute] += 1
+                if policy == "matmuls" or count[ctx.is_recompute] % 2 == 1:
+                    return cp.CheckpointPolicy.MUST_SAVE
+            return cp.CheckpointPolicy.PREFER_RECOMPUTE
+
+        return cp.create_selective_checkpoint_contexts(decide)
+
+    return make
+
+
+def _wrap_policy(mod, policy: str) -> None:
+    inner = mod.forward
+    make = policy_context(policy)
+
+    def fwd(*args, _inner=inner, **kwargs):
+        return cp.checkpoint(_inner, *args, use_reentrant=False, context_fn=make, **kwargs)
+
+    mod.forward = fwd
 
 
 class Segment:
