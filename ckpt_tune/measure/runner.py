@@ -40,7 +40,15 @@ class StepSettings:
     fake_target: str = "cuda"  # device "meta": the allocator the fake timeline mimics ("cuda" or "cpu")
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a DTensor's local shard (FSDP2's parameters, gradients and optimizer
+    state under measure/sharded.py), else t itself."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
+    t = local_tensor(t)
     return (str(t.device), fake.fake_storage_key(t))
 
 
@@ -49,7 +57,7 @@ def unique_bytes(tensors) -> int:
     seen: dict[tuple[str, int], int] = {}
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            seen[storage_key(t)] = t.untyped_storage().nbytes()
+            seen[storage_key(t)] = local_tensor(t).untyped_storage().nbytes()
     return sum(seen.values())
 
 
@@ -391,7 +399,7 @@ class _Instrument:
         self.chained: set[str] = set()
         self._last_out: Any = None  # (weak reference, version) of the last marked module's first output
         self._hooks_ctx = None
-        self._param_ptrs = {fake.fake_storage_key(p) for p in model.parameters()}
+        self._param_ptrs = {fake.fake_storage_key(local_tensor(p)) for p in model.parameters()}
 
     def install(self) -> None:
         for mod, name in self.names.items():
@@ -456,7 +464,7 @@ class _Instrument:
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if p.grad is not None:
-            self.grad_ptrs.append(fake.fake_storage_key(p.grad))
+            self.grad_ptrs.append(fake.fake_storage_key(local_tensor(p.grad)))
 
 
 def _recomputing() -> bool:
