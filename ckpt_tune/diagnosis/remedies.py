@@ -15,6 +15,7 @@ from ckpt_tune.diagnosis.result import Remedy
 from ckpt_tune.diagnosis.study import Names, Study
 from ckpt_tune.measure.runner import StepRunner, StepSettings
 from ckpt_tune.plan.entry import to_data
+from ckpt_tune.tune.memory_model import policy_options, price_out
 from ckpt_tune.tune.moments import moments_of
 from ckpt_tune.tune.planner import Solution, min_peak
 from ckpt_tune.tune.sharding import (
@@ -47,7 +48,7 @@ def single_gpu_remedies(study: Study) -> None:
     """Every remedy recorded with the study's own runner (open), in order; sharding only for one GPU today."""
     basis = "measured" if study.n == 1 else "measured + arithmetic"
     if study.units:
-        study.add(checkpoint(study, basis))
+        study.add(*checkpoint(study, basis))
     study.floor = floor(study, basis)
     study.add(micro_batch(study), eight_bit(study), offload(study))
     if study.n == 1:
@@ -56,15 +57,29 @@ def single_gpu_remedies(study: Study) -> None:
         study.moments(study.b, study.min_plan()[0])
 
 
-def checkpoint(study: Study, basis: str) -> Remedy:
+def checkpoint(study: Study, basis: str) -> list[Remedy]:
+    """The cheapest checkpoint plan that fits; when it holds op-level policies, also the cheapest plan
+    of whole modules alone (what checkpointing without policies would cost), ranked beside it."""
     names, cost, pk = study.fit_plan(study.b)
+    out = [_checkpoint_remedy(study, basis, names, cost, pk)]
+    if any(e.policy is not None for e in names):
+        whole = study.fit_plan(study.b, terms_fn=lambda t: price_out(t, policy_options(t)))
+        out.append(_checkpoint_remedy(study, basis, *whole))
+    return out
+
+
+def _checkpoint_remedy(study: Study, basis: str, names, cost: float, pk) -> Remedy:
     frac = cost / study.step_ms()
     shown = ": " + ", ".join(e.label for e in names) if 0 < len(names) <= 4 else ""
+    policies = sorted({e.policy for e in names if e.policy is not None})
+    how = f" (op policies {', '.join(policies)} on some)" if policies else ""
     return Remedy(
-        "checkpoint", f"checkpoint {study.ckpt_label(names)}{shown}", pk.total, pk.total <= study.usable, basis,
+        "checkpoint", f"checkpoint {study.ckpt_label(names)}{how}{shown}", pk.total, pk.total <= study.usable, basis,
         pk.where, gpus=study.n, time_overhead=round(frac, 4),
         cost=f"recompute: {format_percent(frac, 0, signed=True)} step time",
-        assumes="non-reentrant torch.utils.checkpoint on the named blocks (ckpt_tune.apply); placement by the exact planner",
+        assumes="non-reentrant torch.utils.checkpoint on the named blocks (ckpt_tune.apply)"
+        + (", selective for the op policies (plan/policy.py)" if policies else "")
+        + "; placement by the exact planner",
         config={"checkpoint": to_data(names), "batch_size": study.b},
     )
 

@@ -153,11 +153,16 @@ class Study:
         """Today's step time (ms), the denominator of every recompute fraction."""
         return self.searcher.step_ms(self.b)
 
-    def fit_plan(self, b: int, accumulate: bool = False) -> tuple[Names, float, Moment]:
+    def fit_plan(
+        self, b: int, accumulate: bool = False, terms_fn: Callable[[Terms], Terms] | None = None
+    ) -> tuple[Names, float, Moment]:
         """The cheapest plan at micro-batch b whose recorded per-GPU peak fits (the planner's choice,
-        tightened by any overshoot, as Searcher.search); else the smallest-peak plan. (names, recompute ms, peak)"""
+        tightened by any overshoot, as Searcher.search); else the smallest-peak plan. (names, recompute ms, peak)
+        `terms_fn`: a change to the memory model first (e.g. some options priced out)."""
         fn = (lambda m: accumulate_moment(m, self.prof.grad_bytes, self.in_flight)) if accumulate else (lambda m: m)
         terms, costs = self.terms(b), self.searcher.costs(b)
+        if terms_fn is not None:
+            terms = terms_fn(terms)
 
         def run(sol: Solution) -> tuple[int, tuple[Names, Moment]]:
             names = self.names(sol.choice)

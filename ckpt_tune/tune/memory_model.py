@@ -36,7 +36,7 @@ Everything here is pure: no device, no model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ckpt_tune.plan.entry import Entry
 
@@ -174,6 +174,25 @@ class Terms:
 
 def pair_index(prev: int, own: int, k: int = 2) -> int:
     return prev * k + own
+
+
+def price_out(terms: Terms, options) -> Terms:
+    """The same terms with no block able to take any of `options` (indices): UNAVAILABLE bytes for
+    every pair where a block takes one. Segment terms, estimated before, are kept."""
+    K = terms.k
+    off = {pair_index(p, o, K) for p in range(K) for o in options}
+    if not off:
+        return terms
+
+    def cut(xs: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(UNAVAILABLE if j in off else x for j, x in enumerate(xs))
+
+    return replace(terms, blocks=tuple(BlockTerms(cut(b.d), cut(b.F), cut(b.B)) for b in terms.blocks))
+
+
+def policy_options(terms: Terms) -> list[int]:
+    """Indices of the op-policy options of `terms`."""
+    return [k for k, name in enumerate(terms.options) if policy_of(name) is not None]
 
 
 def predict(terms: Terms, choice: tuple[int, ...]) -> int:

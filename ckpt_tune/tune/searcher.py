@@ -34,19 +34,17 @@ from ckpt_tune.tune.candidates import (
     has_sub_option,
 )
 from ckpt_tune.tune.memory_model import (
-    UNAVAILABLE,
-    BlockTerms,
     RunCut,
     SegmentTerms,
     Terms,
     combine,
     cut_run,
     estimate_segments,
-    pair_index,
     plan_entries,
     policy_of,
     policy_option,
     predict,
+    price_out,
     probe_configs,
     segment_terms,
     segments_of,
@@ -256,15 +254,7 @@ class Searcher:
     def _restrict(self, t: Terms) -> Terms:
         """Without the "blocks" kind, no block is checkpointed whole (its terms stay in the model:
         segments are estimated from them)."""
-        if "blocks" in self.candidates:
-            return t
-        K = t.k
-        off = {pair_index(p, 1, K) for p in range(K)}
-
-        def cut(xs: tuple[int, ...]) -> tuple[int, ...]:
-            return tuple(UNAVAILABLE if j in off else x for j, x in enumerate(xs))
-
-        return replace(t, blocks=tuple(BlockTerms(cut(b.d), cut(b.F), cut(b.B)) for b in t.blocks))
+        return t if "blocks" in self.candidates else price_out(t, [1])
 
     def names(self, choice: tuple[int, ...]) -> list[Entry]:
         """Plan entries of a choice (memory_model.plan_entries)."""
