@@ -21,10 +21,13 @@ checkpointing and of no checkpointing (20/40/60/80% of the way up). Methods (pee
   memory model's terms (`planner.brute_force`): it tells whether ckpt-tune's planner found the cheapest
   plan its model allows, nothing about the model.
 
-TODO (issue 17): Hugging Face `activation_checkpointing_enable(every_n_layers=...)` (transformers 5.24
-has it; `gradient_checkpointing_enable` forwards it) and `torch.compile` with
-`torch._functorch.config.activation_memory_budget` (CPU inductor) as peers: to be imported from
-benchmarks/peers.py, which another change is writing; not yet in the tree.
+Peers from benchmarks/peers.py (as their authors define them), where they apply:
+- Hugging Face `gradient_checkpointing_enable()` (every layer; `peers.hf_gradient_checkpointing`) on
+  Hugging Face models, and its `every_n_layers=2` (every second layer) where the installed transformers
+  has it (`activation_checkpointing_enable(every_n_layers=...)`, transformers 5.x): budget-blind;
+- `torch.compile` with `torch._functorch.config.activation_memory_budget` (inductor on CPU;
+  `peers.Compiled`): each of `--compile-fractions` compiled on a fresh model and measured once; at each
+  budget the largest fraction whose measured peak fits (the lowest peak where none does, marked over).
 
 Every plan's peak is measured by the independent harness (common.measured_peak, own wrappers); recompute
 overhead is the median step time with the plan over the median without, all plans of a model timed in
@@ -47,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from benchmarks import peers
 from benchmarks.common import (
     EXAMPLES,
     SEGMENT_CHAIN_OK,
@@ -54,6 +58,7 @@ from benchmarks.common import (
     block_sizes,
     example,
     interleaved_samples,
+    make_optimizer,
     md_table,
     measured_peak,
     mib,
@@ -81,8 +86,16 @@ class PlanSpec:
     names: tuple[str, ...] = ()  # blocks wrapped one by one
     segments: tuple[tuple[int, int], ...] = ()  # [start, end) over the units, run as one unit each
     ck: tuple[bool, ...] = ()  # which segments are checkpointed
+    peer: str = ""  # "hf", "hf every 2", "compile": a peer's own switch (benchmarks/peers.py)
+    fraction: float | None = None  # torch.compile's activation_memory_budget
 
     def wrap(self, units: tuple[str, ...]):
+        if self.peer == "hf":
+            return peers.hf_gradient_checkpointing
+        if self.peer == "hf every 2":
+            return hf_every_n_layers(2)
+        if self.peer == "compile":
+            return _COMPILED[0].wrap(self.fraction)
         if self.segments:
             return lambda m: wrap_segments(m, units, self.segments, self.ck)
         if self.names:
@@ -90,12 +103,48 @@ class PlanSpec:
         return None
 
     def describe(self, units: tuple[str, ...]) -> str:
+        if self.peer == "compile":
+            return f"activation_memory_budget={self.fraction}"
+        if self.peer:
+            return {"hf": "every layer (HF)", "hf every 2": "every_n_layers=2 (HF)"}[self.peer]
         if self.segments:
             parts = [f"[{s}-{e - 1}]{'*' if c else ''}" for (s, e), c in zip(self.segments, self.ck, strict=True)]
             return " ".join(parts)
         if not self.names:
             return "-"
         return "{" + ",".join(_short(n, units) for n in self.names) + "}"
+
+
+_COMPILED: list = [None]  # the model's peers.Compiled (its compiled instances are timed later)
+COMPILE_FRACTIONS = (0.0, 0.5, 1.0)
+
+
+def hf_every_n_layers(n: int):
+    """A `wrap`: Hugging Face's own switch with `every_n_layers=n` (transformers 5.x), non-reentrant."""
+
+    def wrap(model) -> None:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=n)
+
+    return wrap
+
+
+def hf_every_n_unavailable(model) -> str | None:
+    import inspect
+
+    fn = getattr(model, "activation_checkpointing_enable", None)
+    if fn is None or "every_n_layers" not in inspect.signature(fn).parameters:
+        return "the installed transformers has no every_n_layers"
+    return None
+
+
+class PreparedModel(TimedModel):
+    """A TimedModel around an instance already built and wrapped (a compiled one)."""
+
+    def __init__(self, ex, model) -> None:
+        self.ex, self.model = ex, model
+        self.model.train()
+        self.params = [q for q in model.parameters() if q.requires_grad]
+        self.opt = make_optimizer(self.params, "adamw")
 
 
 def _short(name, units: tuple[str, ...]) -> str:
@@ -177,7 +226,7 @@ def try_sac_ilp() -> str | None:
     return "; ".join(why) or None
 
 
-def run_model(name: str, repeats: int) -> dict:
+def run_model(name: str, repeats: int, compile_fractions: tuple[float, ...] = COMPILE_FRACTIONS) -> dict:
     ex = example(name)
     b = BATCH[name]
     s = tool_searcher(ex.spec)
@@ -200,6 +249,27 @@ def run_model(name: str, repeats: int) -> dict:
     fixed = {"no checkpointing": none, "every block": every}
     if SEGMENT_CHAIN_OK[name]:
         fixed["sqrt(n) segments"] = segment_plan(sqrt_segments(n))
+    notes: dict[str, str] = {}
+    why_hf = peers.hf_applies(ex.build())
+    if why_hf is None:
+        fixed["HF gradient_checkpointing_enable"] = PlanSpec(peer="hf")
+        why_n = hf_every_n_unavailable(ex.build())
+        if why_n is None:
+            fixed["HF every_n_layers=2"] = PlanSpec(peer="hf every 2")
+        else:
+            notes["HF every_n_layers=2"] = why_n
+    else:
+        notes["HF gradient_checkpointing_enable"] = why_hf
+    compiled_peaks: dict[float, int] = {}
+    _COMPILED[0] = peers.Compiled(ex.make_batch, ex.loss_fn, b)
+    why_compile = (peers.compile_unavailable() if compile_fractions else "not run (--compile-fractions empty)")
+    if why_compile is None:
+        for f in compile_fractions:
+            compiled_peaks[f] = peak(PlanSpec(peer="compile", fraction=f))
+            print(f"  torch.compile activation_memory_budget={f}: {mib(compiled_peaks[f])} MiB "
+                  f"(compiled in {_COMPILED[0].compile_s.get(f)} s)", flush=True)
+    else:
+        notes["torch.compile memory budget"] = why_compile
     per_budget: list[dict] = []
     for frac, budget in zip(FRACTIONS, budgets, strict=True):
         entry: dict = {"fraction": frac, "budget_bytes": budget, "plans": {}}
@@ -208,6 +278,11 @@ def run_model(name: str, repeats: int) -> dict:
         if SEGMENT_CHAIN_OK[name]:
             p, est = chen_plan(abar, ain, p_none, budget)
             entry["plans"]["Chen greedy"] = {"plan": p, "estimate_bytes": est}
+        if compiled_peaks:
+            fitting = [f for f, v in compiled_peaks.items() if v <= budget]
+            f = max(fitting) if fitting else min(compiled_peaks, key=compiled_peaks.get)
+            entry["plans"]["torch.compile memory budget"] = {"plan": PlanSpec(peer="compile", fraction=f),
+                                                             **({} if fitting else {"note": "no swept fraction fits"})}
         t, costs = s.terms(b), s.costs(b)
         if n <= BRUTE_MAX:
             bf = brute_force(t, costs, budget)
@@ -231,7 +306,8 @@ def run_model(name: str, repeats: int) -> dict:
     s.runner.__exit__(None, None, None)
     # time every distinct plan against no checkpointing, interleaved
     plans = list(dict.fromkeys(v["plan"] for e in per_budget for v in e["plans"].values() if v["plan"] is not None))
-    models: dict = {p: TimedModel(ex, wrap=p.wrap(units)) for p in plans}
+    models: dict = {p: PreparedModel(ex, _COMPILED[0].models[p.fraction]) if p.peer == "compile" else TimedModel(ex, wrap=p.wrap(units))
+                    for p in plans}
     models["control"] = TimedModel(ex)  # a second no-checkpointing instance: its ratio is the noise floor
     samples = interleaved_samples(models, b, repeats, target_s=TARGET_S)
     med = {k: statistics.median(v) for k, v in samples.items()}
@@ -240,7 +316,8 @@ def run_model(name: str, repeats: int) -> dict:
             if v["plan"] is not None:
                 v["overhead"] = med[v["plan"]] / med[none]
     out = {
-        "model": name, "batch": b, "units": list(units), "block_saved_bytes": abar, "block_input_bytes": ain,
+        "model": name, "batch": b, "units": list(units), "peers_not_run": notes,
+        "compile_fractions_bytes": compiled_peaks, "compile_s": dict(_COMPILED[0].compile_s), "block_saved_bytes": abar, "block_input_bytes": ain,
         "none_bytes": p_none, "every_block_bytes": p_all, "step_s_none": med[none], "repeats": len(samples[none]),
         "control_ratio": med["control"] / med[none],
         "budgets": [
@@ -263,13 +340,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7, help="timed steps per plan (interleaved), at least 5")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: stable timings on a shared machine)")
     ap.add_argument("--quick", action="store_true", help="smoke run: GPT and ResNet, budgets at 40% and 80%, 5 repeats")
+    ap.add_argument("--compile-fractions", default=",".join(map(str, COMPILE_FRACTIONS)),
+                    help="torch.compile activation_memory_budget fractions to sweep ('' to skip: minutes per compile)")
+    ap.add_argument("--out", default="plan_quality", help="results/<OUT>.json and .md (a partial run under another name)")
     args = ap.parse_args()
     global FRACTIONS, TARGET_S
     if args.quick:
         args.models, args.repeats, FRACTIONS, TARGET_S = "gpt,resnet", 5, (0.4, 0.8), 0.0
     torch.set_num_threads(args.threads)
     sac = try_sac_ilp()
-    results = [run_model(m, max(5, args.repeats)) for m in args.models.split(",")]
+    cf = tuple(float(x) for x in args.compile_fractions.split(",") if x.strip())
+    results = [run_model(m, max(5, args.repeats), cf) for m in args.models.split(",")]
     methods = list(dict.fromkeys(k for r in results for e in r["budgets"] for k in e["plans"]))
     if sac:
         methods.append("sac_ilp (torch)")
@@ -306,8 +387,11 @@ def main() -> None:
         f"{__import__('os').cpu_count()} CPUs: step times are from a machine shared with other work"
         f"{'; --quick: GPT and ResNet, two budgets' if args.quick else ''}.",
         "",
-        "TODO: Hugging Face every_n_layers and torch.compile activation_memory_budget peers (benchmarks/peers.py, "
-        "not yet in the tree).",
+        "Peers from benchmarks/peers.py: HF gradient_checkpointing_enable (every layer) and every_n_layers=2 on Hugging Face "
+        "models only (budget-blind); torch.compile with activation_memory_budget swept over "
+        f"{', '.join(map(str, cf)) or 'nothing'} (each compiled on a fresh model, measured by the harness), at each budget the "
+        "largest fraction that fits. Peers that did not run: " + ("; ".join(f"{r['model']}: {k}: {v}" for r in results
+                                                                      for k, v in r["peers_not_run"].items()) or "none") + ".",
         "",
         f"PyTorch's `sac_ilp`: {'ran' if not sac else 'not run here. ' + sac + '.'}",
         "",
@@ -342,7 +426,7 @@ def main() -> None:
                                "model's prediction MiB"], rows))
     body = "\n".join(lines)
     print(body)
-    write("plan_quality", "Plan quality under a budget", {"sac_ilp": sac or "ran", "quick": args.quick, "summary": summary,
+    write(args.out, "Plan quality under a budget", {"sac_ilp": sac or "ran", "quick": args.quick, "summary": summary,
           "recompute_measured_over_predicted": recompute, "models": results}, body)
 
 
