@@ -109,3 +109,106 @@ def recompute_shares(runner, batch_size: int, units: Sequence[str], policies: Se
         for u in units
         for p in policies
     }
+
+
+def _signature(module: nn.Module) -> tuple:
+    return (type(module).__qualname__, tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters()))
+
+
+def _ones_like_outputs(out) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    return leaves, [torch.ones_like(t) for t in leaves]
+
+
+def _time_block(runner, block: nn.Module, args: tuple, kwargs: dict, extra: dict | None) -> float:
+    """Seconds of one forward and backward of `block` alone: stored (`extra` None) or under
+    checkpoint with `extra` as checkpoint's keyword arguments."""
+    from torch.utils.checkpoint import checkpoint
+
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    with runner._ctx(), runner._autocast():
+        if extra is None:
+            res = block(*args, **kwargs)
+        else:
+            res = checkpoint(lambda *a: block(*a, **kwargs), *args, use_reentrant=False, **extra)
+    leaves, grads = _ones_like_outputs(res)
+    if leaves:
+        torch.autograd.backward(leaves, grads)
+    sync()
+    return time.perf_counter() - t0
+
+
+def policy_ratios(
+    runner, batch_size: int, units: Sequence[str], policies: Sequence[str], repeats: int = 3
+) -> tuple[dict[tuple[str, str], float], dict[str, str]]:
+    """(unit, policy) -> a policy's recompute cost as a fraction of checkpointing the whole block, on a
+    real device: one block of each kind (type and parameter shapes) run alone on the input it had in a
+    step, forward and backward, stored / checkpointed whole / under each policy, interleaved, median
+    of `repeats`: (t_policy - t_stored) / (t_whole - t_stored). What this measures and an op's share
+    of the forward (`recompute_shares`) leaves out is the selective-checkpoint machinery itself (a
+    Python dispatch mode over every op of the region, in forward and in recompute), which on a CPU
+    costs about as much as the cheap ops it saves storing. Also returns the policies torch refused
+    on some block (an in-place change of an output the policy keeps), with the error."""
+    if not policies or not units:
+        return {}, {}
+    from ckpt_tune.plan.policy import context_fn
+
+    model: nn.Module = runner.model
+    first: dict[tuple, str] = {}
+    kind = {u: first.setdefault(_signature(model.get_submodule(u)), u) for u in units}
+    reps = sorted(set(kind.values()), key=list(units).index)
+    inputs: dict[str, tuple] = {}
+
+    def grab(name):
+        def hook(mod, args, kwargs):
+            if name not in inputs:
+                keep = lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t  # noqa: E731
+                inputs[name] = (torch.utils._pytree.tree_map(keep, args), torch.utils._pytree.tree_map(keep, kwargs))
+
+        return hook
+
+    handles = [model.get_submodule(u).register_forward_pre_hook(grab(u), with_kwargs=True) for u in reps]
+    try:
+        with runner._ctx():
+            batch = runner.batch_fn(batch_size)
+            with runner._autocast():
+                runner.loss_fn(model, batch)
+            del batch
+    finally:
+        for h in handles:
+            h.remove()
+    out: dict[tuple[str, str], float] = {}
+    failed: dict[str, str] = {}
+    for u in reps:
+        block = model.get_submodule(u)
+        args, kwargs = inputs[u]
+        saved = {p: p.grad for p in block.parameters()}
+        variants = {"stored": None, "whole": {}, **{p: {"context_fn": context_fn(p)} for p in policies}}
+
+        times: dict[str, list[float]] = {k: [] for k in variants}
+        try:
+            for k, extra in list(variants.items()):  # warm-up; a policy torch refuses here is out
+                try:
+                    _time_block(runner, block, args, kwargs, extra)
+                except RuntimeError as e:
+                    if k in ("stored", "whole"):
+                        raise
+                    failed.setdefault(k, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}")
+                    del variants[k], times[k]
+            for _ in range(repeats):
+                for k, extra in variants.items():
+                    times[k].append(_time_block(runner, block, args, kwargs, extra))
+        finally:
+            for p, g in saved.items():
+                p.grad = g
+        if repeats == 0:  # a check that each policy runs, no figures
+            continue
+        med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+        whole = max(med["whole"] - med["stored"], 1e-9)
+        for p in policies:
+            if p in med:
+                out[(u, p)] = max(med[p] - med["stored"], 0.0) / whole
+    ratios = {(u, p): out[(kind[u], p)] for u in units for p in policies if (kind[u], p) in out}
+    return ratios, failed

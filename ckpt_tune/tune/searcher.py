@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from ckpt_tune.errors import NoFitError, UserCodeError
-from ckpt_tune.measure.op_costs import recompute_shares
+from ckpt_tune.measure.op_costs import policy_ratios, recompute_shares
 from ckpt_tune.measure.runner import StepRunner, Timing, unique_bytes
 from ckpt_tune.plan.entry import POLICIES, Entry, member_names, to_data
 from ckpt_tune.plan.segment import available as segment_available
@@ -165,6 +165,9 @@ class Searcher:
         self.repeat: Repeat | None = None
         self._short_cuts: dict[tuple[int, tuple[int, ...]], RunCut] = {}
         self.stage_seconds: dict[str, float] = {}
+        self._dropped: set[str] = set()  # finer options whose probe step failed (never offered again)
+        # (unit, policy) -> a policy's recompute time over the whole block's, measured by order_units
+        self._ratios: dict[tuple[str, str], float] = {}
 
     @contextlib.contextmanager
     def _stage(self, name: str):
@@ -232,7 +235,24 @@ class Searcher:
                 "op policies that keep no op of any block, left out: "
                 + ", ".join(p for p in POLICIES if p not in useful)
             )
-        return useful
+        if not self.runner.fake and useful:
+            # each kind of block timed alone under each policy, at the second small batch: a policy
+            # torch refuses, or one that costs as much as checkpointing the whole block (it keeps
+            # more bytes for no less time), is left out before any step is recorded with it
+            at = max(batch_size, self.b2)
+            self._ratios, failed = policy_ratios(self.runner, at, self.units, useful)
+            for p, why in failed.items():
+                self.notes.append(f"op policy {p} left out: torch refused it on this model ({why})")
+            for p in [p for p in useful if p not in failed]:
+                worst = min(self._ratios[(u, p)] for u in self.units)
+                if worst >= 1.0:
+                    failed[p] = "dearer"
+                    self.notes.append(
+                        f"op policy {p} left out: its recompute costs {worst:.2f}x checkpointing the whole block "
+                        f"on this device (measured at batch {at})"
+                    )
+            useful = [p for p in useful if p not in failed]
+        return [p for p in useful if policy_option(p) not in self._dropped]
 
     def _has(self, i: int, option: int) -> bool:
         name = self.options[option]
@@ -243,6 +263,7 @@ class Searcher:
         is no candidate: drop it and forget what was measured with it."""
         k = int(label.removeprefix("option"))
         name = self.options[k]
+        self._dropped.add(name)
         self.options = tuple(o for o in self.options if o != name)
         for cache in (*self._terms_by_kind.values(), *self._segments_by_kind.values()):
             cache.clear()
@@ -295,7 +316,11 @@ class Searcher:
             t, scale = self.runner.time_step(self.b2, repeats=3), batch_size / self.b2
 
         policies = [p for o in self.options if (p := policy_of(o)) is not None]
-        shares = recompute_shares(self.runner, batch_size if scale == 1.0 else self.b2, self.units, policies)
+        at = batch_size if scale == 1.0 else self.b2
+        # a policy's cost relative to its block's forward: measured against checkpointing the whole
+        # block on a device; under fake tensors the share of the forward in the ops it recomputes
+        # (on a device: the ratios order_units measured once; under fake tensors: op shares on a roofline)
+        shares = recompute_shares(self.runner, at, self.units, policies) if self.runner.fake else self._ratios
 
         def cost(u: str, k: int) -> float:
             policy = policy_of(self.options[k])
