@@ -67,6 +67,10 @@ from ckpt_tune.units import format_bytes
 from ckpt_tune.vocab import CANDIDATES
 
 MAX_BATCH = 1 << 16
+# An op policy whose recompute costs more than this fraction of checkpointing the whole block in every
+# block is left out: it keeps more bytes than the whole-block checkpoint for (within timing noise) no
+# less time, and each policy offered costs a recorded step per probed batch.
+WORTH_A_POLICY = 0.9
 # A batch the fitted (linear) terms put this far over budget is taken as not fitting without probing it.
 # Terms are linear in batch size to within allocator granularity; 2% is far above what was observed.
 SKIP_MARGIN = 0.02
@@ -237,15 +241,15 @@ class Searcher:
             )
         if not self.runner.fake and useful:
             # each kind of block timed alone under each policy, at the second small batch: a policy
-            # torch refuses, or one that costs as much as checkpointing the whole block (it keeps
-            # more bytes for no less time), is left out before any step is recorded with it
+            # torch refuses, or one that costs about as much as checkpointing the whole block
+            # (WORTH_A_POLICY), is left out before any step is recorded with it
             at = max(batch_size, self.b2)
             self._ratios, failed = policy_ratios(self.runner, at, self.units, useful)
             for p, why in failed.items():
                 self.notes.append(f"op policy {p} left out: torch refused it on this model ({why})")
             for p in [p for p in useful if p not in failed]:
                 worst = min(self._ratios[(u, p)] for u in self.units)
-                if worst >= 1.0:
+                if worst > WORTH_A_POLICY:
                     failed[p] = "dearer"
                     self.notes.append(
                         f"op policy {p} left out: its recompute costs {worst:.2f}x checkpointing the whole block "
