@@ -643,7 +643,7 @@ class Searcher:
                 if batch_size is None and b > b1:  # this batch does not fit after all: one smaller
                     b, room, tightened, verified, trials = b - 1, budget, 0, {}, 0
                     continue
-                raise self._no_fit(budget, b)
+                raise self._no_fit(budget, b, verified)
             if sol.choice not in verified:
                 segs = segments_of(sol.choice)
                 estimated = any(self._prev_of(sol.choice, i) not in self.terms(b).segments[(i, j)].measured for i, j in segs)
@@ -666,7 +666,7 @@ class Searcher:
                 return self._result(b, sol, peak, budget)
             room -= peak - budget  # the model was optimistic here: tighten and re-solve
             tightened += 1
-        raise self._no_fit(budget, b)
+        raise self._no_fit(budget, b, verified)
 
     def _forbid_segments(self, segs: list[tuple[int, int]], why: str) -> None:
         """Drop segments whose recompute did not repeat the forward (code between their blocks saved
@@ -727,9 +727,19 @@ class Searcher:
                 rows.append(FrontierRow(b, sol.names(t), sol.peak, round(sol.cost / step, 4), True))
         return rows
 
-    def _no_fit(self, budget: int, b: int) -> NoFitError:
+    def _no_fit(self, budget: int, b: int, verified: dict[tuple[int, ...], int] | None = None) -> NoFitError:
         t = self.terms(b)
         mp = min_peak(t, self.costs(b))
+        over = [p for p in (verified or {}).values() if p > budget]
+        if mp.peak <= budget and over:
+            # the model says a plan fits, but every plan run measured over the budget
+            return NoFitError(
+                f"no verified plan fits {format_bytes(budget)} at batch {b}: {len(over)} plan(s) predicted to fit "
+                f"measured over it when run (by up to {format_bytes(max(over) - budget)}), though the smallest "
+                f"predicted peak is {format_bytes(mp.peak)}",
+                "the memory model is optimistic for this model here; allow that much more --vram or a smaller "
+                "--batch-size, and please report it (ckpt-tune search --json shows the plans tried)",
+            )
         params, opt, grads = self.runner.state_bytes()
         if self.world_size > 1:
             per = static_per_gpu(params, grads, opt, self.world_size, self.shard, self.gathered_bytes())
