@@ -33,7 +33,7 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
-# the heavy members (minutes each; not part of `make test`): the README's Llama-2-7B and 24 GB searches
+# the heavy members (minutes each; not part of `make test`): the README's 24 GB search, the longest searches
 test-heavy: $(STAMP)
 	$(BIN)/python -m pytest -q -m heavy
 

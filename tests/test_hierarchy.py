@@ -143,7 +143,7 @@ def _every_innermost_budget(t, batch: int) -> int:
 
 
 @pytest.mark.parametrize(
-    "name", ["nested_resnet", "convnext_like", pytest.param("nested_unet", marks=pytest.mark.slow)]
+    "name", ["nested_resnet", pytest.param("convnext_like", marks=pytest.mark.heavy), pytest.param("nested_unet", marks=pytest.mark.heavy)]
 )
 def test_search_reaches_the_batch_of_every_innermost_block(name):
     t = TARGETS[name]

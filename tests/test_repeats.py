@@ -96,7 +96,8 @@ def _full_depth(s: Searcher, b: int):
         s._costs.clear()
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda", "cpu-fake"])
+# the CUDA-sized fake run takes 45 s: make test-heavy
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.heavy), "cpu-fake"])
 def test_extended_terms_equal_full_depth_terms_to_the_byte(device):
     with _runner("cpu" if device == "cpu" else device.removesuffix("-fake"), Decoder) as runner:
         s = Searcher(runner)

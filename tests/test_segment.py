@@ -213,6 +213,7 @@ def test_search_uses_segments_to_reach_a_larger_batch_and_the_plan_fits():
     assert abs(res.predicted_peak - truth) <= 0.03 * truth
 
 
+@pytest.mark.heavy  # 40 s: make test-heavy
 def test_found_batch_is_the_largest_any_plan_reaches_by_brute_force():
     """A 4-block chain: 34 plans (each block stored or checkpointed, or in one of 6 segments). The
     found batch fits; at the next batch none of the 34 fits, measured by the independent harness."""
@@ -230,6 +231,7 @@ def test_found_batch_is_the_largest_any_plan_reaches_by_brute_force():
         assert measured_peak(build, CHAIN.make_batch, CHAIN.loss_fn, res.batch_size + 1, checkpoint=names) > budget, names
 
 
+@pytest.mark.heavy  # 30 s: make test-heavy
 def test_plan_cost_is_the_optimum_over_all_plans_at_the_batch():
     build = _small_chain(4)
     b = 600
@@ -288,6 +290,7 @@ def test_an_in_place_op_between_blocks_breaks_the_chain():
     assert s.segment_keys == ((1, 2),)
 
 
+@pytest.mark.heavy  # 60 s: make test-heavy
 def test_search_drops_segments_whose_recompute_cannot_repeat_the_forward():
     class SavesBetween(ResidualChain):
         """Between every two blocks the parent computes a term of the loss from the hidden state: the
