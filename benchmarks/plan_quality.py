@@ -339,7 +339,7 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(EXAMPLES))
     ap.add_argument("--repeats", type=int, default=7, help="timed steps per plan (interleaved), at least 5")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: stable timings on a shared machine)")
-    ap.add_argument("--quick", action="store_true", help="smoke run: GPT and ResNet, budgets at 40% and 80%, 5 repeats")
+    ap.add_argument("--quick", action="store_true", help="smoke run: GPT and ResNet, budgets at 40%% and 80%%, 5 repeats")
     ap.add_argument("--compile-fractions", default=",".join(map(str, COMPILE_FRACTIONS)),
                     help="torch.compile activation_memory_budget fractions to sweep ('' to skip: minutes per compile)")
     ap.add_argument("--out", default="plan_quality", help="results/<OUT>.json and .md (a partial run under another name)")
