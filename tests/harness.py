@@ -130,7 +130,11 @@ class Segment:
             b.forward = self.passthrough
 
 
-def make_optimizer(params, name: str):
+def make_optimizer(params, name):
+    """The optimizer `name` over `params` (None for "none"); `name` may also be a callable that builds
+    one from the parameters (ZeroRedundancyOptimizer for a sharded step)."""
+    if callable(name):
+        return name(params)
     if name == "none" or not params:
         return None
     return {
@@ -164,7 +168,9 @@ def measured_peak(
     if wrap is not None:
         wrap(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    before = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()]}
+    # a sharded (DTensor) parameter holds its local shard only
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in [*model.parameters(), *model.buffers()]]
+    before = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in local}
     gc.collect()  # earlier tests' garbage must not be freed (and reported) while profiling
     gc.disable()
     try:

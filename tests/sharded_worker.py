@@ -1,9 +1,9 @@
 """Ground truth for the sharded engine (tests/test_sharded_engine.py): one rank's peak, measured
 independently of ckpt_tune, in this process or in each process of a real `torchrun` job.
 
-`measured_peak` is tests/harness.py's method (the profiler runs from before the warm-up iteration; the
-peak is the bytes live before it plus the largest running sum of CPU allocator events in the measured
-iteration), counting a DTensor parameter by its local shard, with the optimizer built by the caller, so
+`measured_peak` is tests/harness.py's (the profiler runs from before the warm-up iteration; the peak is
+the bytes live before it plus the largest running sum of CPU allocator events in the measured
+iteration; a DTensor parameter counts by its local shard), with the optimizer built by the caller, so
 that FSDP2 (`fully_shard`) and `ZeroRedundancyOptimizer` can be measured. `engine` sets a model up for a
 stage the way issue 15 defines it, with torch alone.
 
@@ -14,20 +14,20 @@ Run under torchrun (gloo, CPU), every rank writes its peaks per stage to OUT.ran
 
 from __future__ import annotations
 
-import gc
 import json
 import sys
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "examples"))
+sys.path.insert(0, str(HERE.parent))
 
 import gpt  # noqa: E402
 
-MARK = "sharded_worker::measured"
+from tests import harness  # noqa: E402
+
 # small, with odd first dimensions (vocabulary, positions), so that shards are uneven over 2 ranks
 CFG = {"n_layer": 2, "n_embd": 64, "n_head": 2, "block_size": 33, "vocab_size": 251}
 UNITS = ("blocks.0", "blocks.1")
@@ -44,10 +44,6 @@ def make_batch(b: int):
 
 
 loss_fn = gpt.loss_fn
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def engine(shard: str, mesh, units=UNITS):
@@ -72,48 +68,10 @@ def engine(shard: str, mesh, units=UNITS):
 
 
 def measured_peak(build, make_batch, loss_fn, batch_size: int, wrap=None, make_optimizer=None, steps: int = 2) -> int:
-    """Peak live bytes of the steady-state iterations (2..steps) of a freshly built (and wrapped) model."""
-    model = build()
-    model.train()
-    if wrap is not None:
-        wrap(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    before = {}
-    for t in [*model.parameters(), *model.buffers()]:
-        st = _local(t).untyped_storage()
-        before[st.data_ptr()] = st.nbytes()
-    gc.collect()
-    gc.disable()
-    try:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            opt = make_optimizer(params) if make_optimizer is not None else torch.optim.AdamW(params, lr=0.0)
-            for i in range(steps):
-                if i == 1:
-                    with record_function(MARK):
-                        pass
-                for p in params:
-                    p.grad = None
-                batch = make_batch(batch_size)
-                loss = loss_fn(model, batch)
-                loss.backward()
-                opt.step()
-                del loss, batch
-    finally:
-        gc.enable()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() in ("[memory]", MARK)]
-    events.sort(key=lambda e: e.start_ns())
-    live, peak, started = 0, 0, False
-    for e in events:
-        if e.name() == MARK:
-            started, peak = True, live
-            continue
-        if e.device_type() == torch.autograd.DeviceType.CPU:
-            live += e.nbytes()
-        if started:
-            peak = max(peak, live)
-    del prof, model, opt, params
-    gc.collect()
-    return sum(before.values()) + peak
+    """tests/harness.py's peak of a freshly built (and wrapped) model, the optimizer built by the caller."""
+    return harness.measured_peak(
+        build, make_batch, loss_fn, batch_size, wrap=wrap, optimizer=make_optimizer or "adamw", steps=steps
+    )
 
 
 def main(out: str) -> None:
