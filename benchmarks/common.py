@@ -57,10 +57,15 @@ class Example:
 
 
 def _import(path: Path):
-    spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """An example file as module `bench_<stem>`, registered in sys.modules (once): dynamo (the
+    torch.compile peer) re-imports the module of every function it inlines."""
+    name = f"bench_{path.stem}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
 
 
 def example(name: str) -> Example:
