@@ -137,3 +137,12 @@ def test_a_segment_is_chosen_when_only_it_fits():
     assert sol.choice == with_segment((0, 0), 0, 1)
     assert sol.cost == 3.0
     assert t.names(sol.choice) == (Entry(("b0", "b1")),)
+
+
+def test_a_plan_that_overshot_cannot_come_back_after_tightening() -> None:
+    """The room goes below the failed plan's own prediction by the overshoot: a plan predicted at 80
+    under a room of 100 that measured 105 against a budget of 100 leaves a room of 75."""
+    from ckpt_tune.tune.verify import tighten
+
+    assert tighten(100, 80, 105, 100) == 75
+    assert tighten(70, 80, 105, 100) == 65  # an already tighter room stays the bound

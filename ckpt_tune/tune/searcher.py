@@ -62,7 +62,7 @@ from ckpt_tune.tune.repeats import (
     shortened,
 )
 from ckpt_tune.tune.sharding import check_shard, peak_of, per_gpu_terms, shard_moment, static_per_gpu
-from ckpt_tune.tune.verify import MAX_TIGHTENINGS
+from ckpt_tune.tune.verify import MAX_TIGHTENINGS, tighten
 from ckpt_tune.units import format_bytes
 from ckpt_tune.vocab import CANDIDATES
 
@@ -664,7 +664,7 @@ class Searcher:
             peak = verified[sol.choice]
             if peak <= budget:
                 return self._result(b, sol, peak, budget)
-            room -= peak - budget  # the model was optimistic here: tighten and re-solve
+            room = tighten(room, sol.peak, peak, budget)  # the model was optimistic here
             tightened += 1
         raise self._no_fit(budget, b, verified)
 

@@ -37,5 +37,12 @@ def plan_and_verify(
         peak, out = run(sol)
         if peak <= budget:
             return sol, out
-        room -= peak - budget  # the model was optimistic here: tighten and solve again
+        room = tighten(room, sol.peak, peak, budget)
     return None
+
+
+def tighten(room: int, predicted: int, measured: int, budget: int) -> int:
+    """The planner's room after a plan predicted at `predicted` measured `measured` > `budget`: below
+    that plan's own prediction by the overshoot, so the next plan differs (a plan predicted under a
+    room already tightened would otherwise come back) and asks for what this one lacked."""
+    return min(room, predicted) - (measured - budget)
