@@ -56,7 +56,7 @@ class Example:
     loss_fn: Callable[[nn.Module, Any], torch.Tensor]
 
 
-def _import(path: Path):
+def import_example(path: Path):
     """An example file as module `bench_<stem>`, registered in sys.modules (once): dynamo (the
     torch.compile peer) re-imports the module of every function it inlines."""
     name = f"bench_{path.stem}"
@@ -69,7 +69,7 @@ def _import(path: Path):
 
 
 def example(name: str) -> Example:
-    mod = _import(ROOT / "examples" / f"{name}.py")
+    mod = import_example(ROOT / "examples" / f"{name}.py")
     return Example(name, f"examples/{name}.py:build", mod.build, mod.make_batch, mod.loss_fn)
 
 

@@ -27,7 +27,6 @@ ckpt-tune's predicted figures only, no measured peak or time without a GPU.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -41,7 +40,16 @@ import torch
 from torch import nn
 
 from benchmarks import peers
-from benchmarks.common import ROOT, Example, TimedModel, interleaved_samples, md_table, measured_peak, mib
+from benchmarks.common import (
+    ROOT,
+    Example,
+    TimedModel,
+    import_example,
+    interleaved_samples,
+    md_table,
+    measured_peak,
+    mib,
+)
 from benchmarks.common import write_results as write
 from tests.harness import make_optimizer
 
@@ -118,20 +126,12 @@ META = {"hf_config": "examples/configs/llama-2-7b.json", "seq_len": 512, "precis
 
 
 def harness_example(name: str) -> Example:
-    """The model's own build/make_batch/loss_fn for the harness. The example files are imported under a
-    name registered in sys.modules: dynamo (the torch.compile peer) re-imports the module of every
-    function it inlines."""
+    """The model's own build/make_batch/loss_fn for the harness (example files through
+    common.import_example, registered in sys.modules for the torch.compile peer)."""
     if name in ("vit", "llama"):
         fns = {"vit": (build_vit, vit_batch, vit_loss), "llama": (build_llama, llama_batch, llama_loss)}[name]
         return Example(name, MODELS[name]["spec"], *fns)
-    path = ROOT / "examples" / f"{name}.py"
-    modname = f"ops_bench_{name}"
-    if modname not in sys.modules:
-        spec = importlib.util.spec_from_file_location(modname, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[modname] = mod
-        spec.loader.exec_module(mod)
-    mod = sys.modules[modname]
+    mod = import_example(ROOT / "examples" / f"{name}.py")
     return Example(name, MODELS[name]["spec"], mod.build, mod.make_batch, mod.loss_fn)
 
 
