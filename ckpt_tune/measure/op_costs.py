@@ -16,6 +16,7 @@ share this returns for the policy.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -78,6 +79,16 @@ class _OpClock(TorchDispatchMode):
         return out
 
 
+def _forward(runner, batch_size: int, mode=None) -> None:
+    """One forward and loss of the runner's model, as a training step runs it (its device, precision
+    and fake-tensor context), without backward; under `mode` (a dispatch mode) when given."""
+    with runner._ctx():
+        batch = runner.batch_fn(batch_size)
+        with runner._autocast(), (mode if mode is not None else contextlib.nullcontext()):
+            runner.loss_fn(runner.model, batch)
+        del batch
+
+
 def recompute_shares(runner, batch_size: int, units: Sequence[str], policies: Sequence[str], repeats: int = 3) -> dict[tuple[str, str], float]:
     """(unit, policy) -> share (0..1) of the unit's forward cost in the ops the policy recomputes.
 
@@ -96,11 +107,7 @@ def recompute_shares(runner, batch_size: int, units: Sequence[str], policies: Se
         handles.append(mod.register_forward_hook(lambda m, a, o: clock.leave()))
     try:
         for _ in range(1 if fake else repeats):
-            with runner._ctx():
-                batch = runner.batch_fn(batch_size)
-                with runner._autocast(), clock:
-                    loss = runner.loss_fn(model, batch)
-                del loss, batch
+            _forward(runner, batch_size, clock)
     finally:
         for h in handles:
             h.remove()
@@ -171,11 +178,7 @@ def policy_ratios(
 
     handles = [model.get_submodule(u).register_forward_pre_hook(grab(u), with_kwargs=True) for u in reps]
     try:
-        with runner._ctx():
-            batch = runner.batch_fn(batch_size)
-            with runner._autocast():
-                runner.loss_fn(model, batch)
-            del batch
+        _forward(runner, batch_size)
     finally:
         for h in handles:
             h.remove()
@@ -203,8 +206,6 @@ def policy_ratios(
         finally:
             for p, g in saved.items():
                 p.grad = g
-        if repeats == 0:  # a check that each policy runs, no figures
-            continue
         med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
         whole = max(med["whole"] - med["stored"], 1e-9)
         for p in policies:

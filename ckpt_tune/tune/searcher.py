@@ -122,9 +122,9 @@ class SearchResult:
 class _OptionFailed(Exception):
     """The probe step of one finer option failed (Searcher._option_probe)."""
 
-    def __init__(self, label: str) -> None:
-        super().__init__(label)
-        self.label = label
+    def __init__(self, option: str) -> None:
+        super().__init__(option)
+        self.option = option
 
 
 class Searcher:
@@ -244,29 +244,27 @@ class Searcher:
             # torch refuses, or one that costs about as much as checkpointing the whole block
             # (WORTH_A_POLICY), is left out before any step is recorded with it
             at = max(batch_size, self.b2)
-            self._ratios, failed = policy_ratios(self.runner, at, self.units, useful)
-            for p, why in failed.items():
+            self._ratios, refused = policy_ratios(self.runner, at, self.units, useful)
+            for p, why in refused.items():
                 self.notes.append(f"op policy {p} left out: torch refused it on this model ({why})")
-            for p in [p for p in useful if p not in failed]:
-                worst = min(self._ratios[(u, p)] for u in self.units)
+            useful = [p for p in useful if p not in refused]
+            dear = {p: min(self._ratios[(u, p)] for u in self.units) for p in useful}
+            for p, worst in dear.items():
                 if worst > WORTH_A_POLICY:
-                    failed[p] = "dearer"
                     self.notes.append(
                         f"op policy {p} left out: its recompute costs {worst:.2f}x checkpointing the whole block "
                         f"on this device (measured at batch {at})"
                     )
-            useful = [p for p in useful if p not in failed]
+            useful = [p for p in useful if dear[p] <= WORTH_A_POLICY]
         return [p for p in useful if policy_option(p) not in self._dropped]
 
     def _has(self, i: int, option: int) -> bool:
         name = self.options[option]
         return policy_of(name) is not None or has_sub_option(self.runner.model, self.units[i], name)
 
-    def _drop_option(self, label: str, error: BaseException) -> None:
+    def _drop_option(self, name: str, error: BaseException) -> None:
         """A finer option whose probe step failed (an op policy that a block's in-place ops defeat)
         is no candidate: drop it and forget what was measured with it."""
-        k = int(label.removeprefix("option"))
-        name = self.options[k]
         self._dropped.add(name)
         self.options = tuple(o for o in self.options if o != name)
         for cache in (*self._terms_by_kind.values(), *self._segments_by_kind.values()):
@@ -321,9 +319,9 @@ class Searcher:
 
         policies = [p for o in self.options if (p := policy_of(o)) is not None]
         at = batch_size if scale == 1.0 else self.b2
-        # a policy's cost relative to its block's forward: measured against checkpointing the whole
-        # block on a device; under fake tensors the share of the forward in the ops it recomputes
-        # (on a device: the ratios order_units measured once; under fake tensors: op shares on a roofline)
+        # a policy's cost relative to its block's forward: on a device, its time against checkpointing
+        # the whole block (measured once by order_units); under fake tensors, the share of the forward
+        # in the ops it recomputes, on a roofline
         shares = recompute_shares(self.runner, at, self.units, policies) if self.runner.fake else self._ratios
 
         def cost(u: str, k: int) -> float:
@@ -359,7 +357,7 @@ class Searcher:
                         self._terms[batch_size] = self._probe(batch_size)
                         break
                     except _OptionFailed as e:
-                        self._drop_option(e.label, e.__cause__)
+                        self._drop_option(e.option, e.__cause__)
         return self._restrict(self._terms[batch_size])
 
     def _probe(self, batch_size: int) -> Terms:
@@ -420,13 +418,13 @@ class Searcher:
     def _option_probe(self, label: str):
         """The probe step of a policy option: a failure of the step (torch refuses the policy on this
         model, e.g. an in-place op on a kept output) drops the option instead of ending the search."""
-        policy = label.startswith("option") and policy_of(self.options[int(label.removeprefix("option"))]) is not None
+        option = self.options[int(label.removeprefix("option"))] if label.startswith("option") else None
         try:
             yield
         except (RuntimeError, UserCodeError) as e:
-            if not policy or isinstance(e, torch.OutOfMemoryError):
+            if option is None or policy_of(option) is None or isinstance(e, torch.OutOfMemoryError):
                 raise
-            raise _OptionFailed(label) from e
+            raise _OptionFailed(option) from e
 
     def _shortened_cut(self, batch_size: int, choice: tuple[int, ...], label: str = "none") -> RunCut:
         """One probe on the shortened chain (repeats.py), cached."""
