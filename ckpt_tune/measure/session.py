@@ -9,7 +9,7 @@ user's code into one clear error. `profile` is the library call behind `ckpt-tun
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -90,7 +90,16 @@ def user_errors(what: str) -> Iterator[None]:
         ) from e
 
 
-def build_runner(target: loader.Target, settings: Settings) -> tuple[nn.Module, StepRunner, StepSettings]:
+def build_runner(
+    target: loader.Target,
+    settings: Settings,
+    world_size: int = 1,
+    shard: str = "none",
+    units_of: Callable[[nn.Module], Sequence[str]] | None = None,
+) -> tuple[nn.Module, StepRunner, StepSettings]:
+    """The model and the runner that records its step. With `world_size` > 1 the runner records rank 0 of
+    a sharded run under PyTorch's own engine (measure/sharded.py; `sharded_engine` says where it can),
+    with shard units `units_of(model)` (None: sharded.default_units)."""
     device = resolve_device(settings.device)
     step = StepSettings(device=device, precision=settings.precision, optimizer=settings.optimizer)
     if device == "meta":  # fake tensors: nothing is allocated; the CUDA allocator's rounding is modelled
@@ -109,6 +118,14 @@ def build_runner(target: loader.Target, settings: Settings) -> tuple[nn.Module, 
     def loss_fn(m, batch):
         return loader.compute_loss(target, m, batch)
 
+    if sharded_engine(device, world_size):
+        from ckpt_tune.measure.sharded import ShardedRunner
+
+        units = None if units_of is None else tuple(units_of(model))
+        runner = ShardedRunner(model, batch_fn, loss_fn, step, world_size=world_size, shard=shard, units=units)
+        if device == "cpu":  # one fake process group per process: a larger step is refused, not faked
+            runner = HostGuard(runner, lambda: _too_large_sharded(world_size, shard))
+        return model, runner, step
     runner = StepRunner(model, batch_fn, loss_fn, step)
     if device == "cpu":  # a step this machine cannot hold is recorded under fake tensors (measure/host.py)
         from ckpt_tune.measure import fake_inputs
@@ -119,6 +136,20 @@ def build_runner(target: loader.Target, settings: Settings) -> tuple[nn.Module, 
 
         runner = HostGuard(runner, make_fake)
     return model, runner, step
+
+
+def sharded_engine(device: str, world_size: int) -> bool:
+    """Whether a step of `world_size` > 1 is recorded under the real sharding engine (a fake process
+    group on this CPU or under fake tensors); on a CUDA device it is divided by arithmetic (tune/sharding.py)."""
+    return world_size > 1 and device in ("cpu", "meta")
+
+
+def _too_large_sharded(world_size: int, shard: str) -> StepRunner:
+    raise CkptTuneError(
+        f"this {shard} step over {world_size} ranks needs more RAM than this machine can give it: the model is "
+        "built whole before it is sharded",
+        "use --device meta: the sharded step is then recorded under fake tensors, which allocate nothing",
+    )
 
 
 def profile(

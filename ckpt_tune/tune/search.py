@@ -22,6 +22,7 @@ from ckpt_tune.measure.session import Settings, build_runner, load, user_errors
 from ckpt_tune.plan.file import Plan
 from ckpt_tune.tune.candidates import find_blocks
 from ckpt_tune.tune.searcher import Searcher, SearchResult
+from ckpt_tune.tune.sharding import check_shard
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class SearchOutcome:
     target_batch: int | None = None
     world_size: int = 1  # > 1: every byte figure is per GPU of a sharded run
     shard: str = "none"
+    # how the per-GPU figures were obtained: "measured" (rank 0 under the real engine), "arithmetic", "none"
+    sharding: str = "none"
+    shard_units: tuple[str, ...] = ()  # the modules sharded as units (root last, implied)
 
 
 def search(
@@ -57,7 +61,9 @@ def search(
     device = resolve_device(settings.device)
     # --device meta sizes a CUDA step: hold back the CUDA context and margin as on a GPU
     budget = parse_budget(vram, "cuda" if device == "meta" else device, margin)
-    _model, runner, step = build_runner(t, settings)
+    world_size, shard = check_shard(world_size, shard)
+    # a sharded step is recorded under the real engine, sharded per the planner's blocks (docs/design.md §6)
+    _model, runner, step = build_runner(t, settings, world_size, shard, units_of=find_blocks)
     built_s = round(time.perf_counter() - t0, 2)
     with user_errors("searching"), runner:
         searcher = Searcher(
@@ -91,7 +97,8 @@ def search(
         predicted_recompute_fraction=res.recompute_fraction,
         verified_peak_bytes=res.verified_peak,
     )
-    return SearchOutcome(plan, res, budget, t.is_hf, target_batch, searcher.world_size, searcher.shard)
+    units = tuple(getattr(runner, "units", None) or ()) if searcher.sharding == "measured" else ()
+    return SearchOutcome(plan, res, budget, t.is_hf, target_batch, searcher.world_size, searcher.shard, searcher.sharding, units)
 
 
 def _fit_target_batch(searcher: Searcher, res: SearchResult, want: int, budget: int) -> SearchResult:

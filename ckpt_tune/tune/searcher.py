@@ -150,8 +150,13 @@ class Searcher:
         # caches per kind of iteration: 1 = one batch, 2 = a later micro-batch of an accumulated step
         self._terms_by_kind: dict[int, dict[int, Terms]] = {1: {}, 2: {}}
         self._segments_by_kind: dict[int, dict[int, dict[tuple[int, int], SegmentTerms]]] = {1: {}, 2: {}}
-        # sharded data parallelism: every byte figure is per GPU (sharding.py; docs/design.md §6)
+        # sharded data parallelism: every byte figure is per GPU (docs/design.md §6). `measured`: the
+        # runner records rank 0 under the real engine (measure/sharded.py); else one device's step is
+        # divided by arithmetic (sharding.py)
         self.world_size, self.shard = check_shard(world_size, shard)
+        self.sharding = "none" if self.world_size == 1 else "arithmetic"
+        if self.world_size > 1 and getattr(runner, "world_size", 1) == self.world_size:
+            self.sharding = "measured"
         self.progress = progress or (lambda msg: None)
         self.units = tuple(units if units is not None else find_blocks(runner.model))
         # blocks that hold blocks (candidates.py): checkpointed whole, they cover a run of the chain
@@ -160,6 +165,10 @@ class Searcher:
         self.options: tuple[str, ...] = ("none", "block")
         self.b1, self.b2 = 1, 4  # the two small batch sizes every search probes
         self.notes: list[str] = []
+        if self.sharding == "measured" and self.use_segments:
+            # a segment's recompute calls its blocks' forwards without FSDP's pre-forward hooks
+            self.use_segments = False
+            self.notes.append("segments are not offered under a sharded engine: each block is its own shard unit")
         self.runs = 0
         self._costs: dict[int, tuple[tuple[tuple[float, ...], ...], float]] = {}
         # the full-depth step order_units records: (batch, its cut with no checkpointing, static bytes);
@@ -382,7 +391,7 @@ class Searcher:
                 return self.terms(self.b1).interpolate(self.terms(self.b2), batch_size)
         t = replace(t, groups=self.spans)
         t = self._with_segments(t)
-        if self.world_size > 1:
+        if self.sharding == "arithmetic":
             params, opt, _grads = self.runner.state_bytes()
             t = per_gpu_terms(t, params, opt, self.world_size, self.shard, self.gathered_bytes())
         return t
@@ -500,7 +509,7 @@ class Searcher:
         new = self._with_segments(old)
         # segments dropped from these terms (drop_estimated_segments, _forbid_segments) stay dropped
         new = replace(new, segments={k: v for k, v in new.segments.items() if k in old.segments})
-        if self.world_size > 1:  # the sharding arithmetic touches static only: keep it
+        if self.sharding == "arithmetic":  # the sharding arithmetic touches static only: keep it
             new = replace(new, static=old.static)
         self._terms[batch_size] = new
 
@@ -527,12 +536,12 @@ class Searcher:
         )
         with self._stage("verify"):
             m = self.runner.measure(
-                batch_size, checkpoint=list(names), units=self.units, attribute=self.world_size > 1, accum_steps=self.accum_steps
+                batch_size, checkpoint=list(names), units=self.units, attribute=self.sharding == "arithmetic", accum_steps=self.accum_steps
             )
         self.runs += 1
         if batch_size in self._terms:
             self._learn_segments(batch_size, choice, m)
-        if self.world_size == 1:
+        if self.sharding != "arithmetic":
             return m.peak_bytes
         # a sharded step cannot run here: its recorded single-GPU moments, sharded by arithmetic
         from ckpt_tune.tune.moments import moments_of
@@ -739,7 +748,7 @@ class Searcher:
                 "--batch-size, and please report it (ckpt-tune search --json shows the plans tried)",
             )
         params, opt, grads = self.runner.state_bytes()
-        if self.world_size > 1:
+        if self.sharding == "arithmetic":
             per = static_per_gpu(params, grads, opt, self.world_size, self.shard, self.gathered_bytes())
             params, grads, opt = per.params + per.gathered, per.grads, per.optimizer
         states = params + grads + opt
