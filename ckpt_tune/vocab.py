@@ -25,6 +25,9 @@ def device_kind(device: str) -> str:
     """"cuda:1" -> "cuda": a plan or baseline made on one GPU holds for another of the same kind."""
     return device.split(":", 1)[0]
 SHARDS = ("none", "zero1", "zero2", "zero3", "fsdp")
+# how a plan's per-rank figures were obtained: one device (none), rank 0 recorded under the real engine
+# with a fake process group (measured), or one device's step divided by arithmetic (tune/sharding.py)
+SHARDINGS = ("none", "measured", "arithmetic")
 # kinds of plan choices (`search --candidates`): whole blocks (and the groups of blocks that hold
 # them), a block's sub-modules, runs of blocks under one checkpoint, op-level policies of a block
 CANDIDATES = ("blocks", "submodules", "segments", "ops")

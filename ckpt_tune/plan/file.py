@@ -15,9 +15,13 @@ from ckpt_tune import yamlio
 from ckpt_tune.errors import PlanError
 from ckpt_tune.plan.entry import Action, Entry, entries_of, member_names, to_data
 from ckpt_tune.units import format_bytes
-from ckpt_tune.vocab import DEVICES, OPTIMIZERS, PRECISIONS
+from ckpt_tune.vocab import DEVICES, OPTIMIZERS, PRECISIONS, SHARDINGS, SHARDS
 
 PLAN_VERSION = 1
+# the stages that call fully_shard on the plan's shard units (zero1 shards the optimizer only)
+FULLY_SHARDED = ("zero2", "zero3", "fsdp")
+
+ShardUnit = str | tuple[str, ...]  # a module name, or names sharded together as one group
 
 
 @dataclass(frozen=True)
@@ -34,15 +38,29 @@ class Plan:
     predicted_recompute_fraction: float  # extra step time, as a fraction of the step without checkpointing
     verified_peak_bytes: int | None = None  # measured by running the plan; None if not verified
     version: int = PLAN_VERSION
+    # A sharded run (docs/design.md §6); the budget and every peak above are per rank. The defaults
+    # are one device, and a plan file without these keys means one device.
+    world_size: int = 1  # ranks of the run
+    shard: str = "none"  # one of SHARDS
+    shard_units: tuple[ShardUnit, ...] = ()  # fully_shard each, in this order, then the root (zero2/3, fsdp)
+    sharding: str = "none"  # how the per-rank figures were obtained: one of SHARDINGS
 
     def __post_init__(self) -> None:
         # entries may be given in their data form ("blocks.0", ["blocks.1", "blocks.2"]): keep the type
         object.__setattr__(self, "checkpoint", entries_of(self.checkpoint))
+        units = tuple(u if isinstance(u, str) else tuple(u) for u in self.shard_units)
+        object.__setattr__(self, "shard_units", units)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the plan is for a run over several ranks (the file then holds the sharding keys)."""
+        return (self.world_size, self.shard, self.shard_units, self.sharding) != (1, "none", (), "none")
 
     def to_dict(self) -> dict[str, Any]:
         """The plan's fields as the plan file holds them (entries in their data form): JSON output."""
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["checkpoint"] = to_data(self.checkpoint)
+        d["shard_units"] = [u if isinstance(u, str) else list(u) for u in self.shard_units]
         return d
 
 
@@ -56,13 +74,28 @@ KEYS = (
     "budget_bytes",
     "batch_size",
     "grad_accum_steps",
+    "world_size",
+    "shard",
+    "sharding",
+    "shard_units",
     "checkpoint",
     "predicted_peak_bytes",
     "predicted_recompute_fraction",
     "verified_peak_bytes",
 )
-_OPTIONAL_KEYS = ("verified_peak_bytes",)
+_SHARD_KEYS = ("world_size", "shard", "sharding", "shard_units")  # written for a sharded plan only
+_OPTIONAL_KEYS = ("verified_peak_bytes", *_SHARD_KEYS)
 _FIX = "plan files are written by `ckpt-tune search --out`"
+_STAGE_COMMENT = {
+    "zero1": "optimizer state sharded; the model stays whole (ZeroRedundancyOptimizer)",
+    "zero2": "fully_shard, reshard_after_forward=False: gradients and optimizer state sharded",
+    "zero3": "fully_shard, reshard_after_forward=True: parameters too",
+    "fsdp": "fully_shard, reshard_after_forward=True: parameters too",
+}
+_SHARDING_COMMENT = {
+    "measured": "rank 0 recorded under the real engine, fake process group",
+    "arithmetic": "one device's step divided by the ranks",
+}
 _ENTRY_COMMENT = {
     Action.CHECKPOINT: "one segment: one checkpoint over these blocks",
     Action.SELECTIVE: "checkpointed under an op policy",
@@ -96,6 +129,8 @@ def plan_to_yaml(plan: Plan) -> str:
         line("batch_size", s(plan.batch_size), "micro-batch per step"),
         line("grad_accum_steps", s(plan.grad_accum_steps)),
     ]
+    if plan.sharded:
+        lines += _shard_lines(plan)
     if plan.checkpoint:
         lines.append(line("checkpoint", "", "names from model.named_modules(), wrapped with non-reentrant checkpoint"))
         lines += [entry_yaml(e) for e in plan.checkpoint]
@@ -118,6 +153,27 @@ def plan_to_yaml(plan: Plan) -> str:
             )
         )
     return "\n".join(lines) + "\n"
+
+
+def _shard_lines(plan: Plan) -> list[str]:
+    """world_size, shard, sharding and shard_units: the lines of a sharded plan."""
+    s, line = yamlio.scalar, yamlio.line
+    lines = [
+        line("world_size", s(plan.world_size), "ranks; the budget and the peaks are per rank"),
+        line("shard", s(plan.shard), _STAGE_COMMENT.get(plan.shard)),
+        line("sharding", s(plan.sharding), _SHARDING_COMMENT.get(plan.sharding)),
+    ]
+    if not plan.shard_units:
+        empty = "only the root is sharded" if plan.shard in FULLY_SHARDED else "no module is sharded"
+        return [*lines, line("shard_units", "[]", empty)]
+    lines.append(line("shard_units", "", "fully_shard each, in this order, then the root"))
+    for u in plan.shard_units:
+        if isinstance(u, str):
+            lines.append(f"  - {s(u)}")
+        else:
+            item = f"  - [{', '.join(yamlio.flow_name(n) for n in u)}]"
+            lines.append(f"{item.ljust(yamlio.COMMENT_COLUMN - 1)} # one unit: sharded together")
+    return lines
 
 
 def write_plan(plan: Plan, path: str | Path) -> Path:
@@ -176,7 +232,81 @@ def _from_mapping(data: dict, where: str) -> Plan:
         if "verified_peak_bytes" in data
         else None,
         version=PLAN_VERSION,
+        **_sharding(data, f),
     )
+
+
+def _sharding(data: dict, f: yamlio.Fields) -> dict[str, Any]:
+    """world_size, shard, sharding and shard_units, checked alone and together; absent: one device."""
+    world_size = f.integer(data.get("world_size", 1), "world_size", 1)
+    shard = f.text(data.get("shard", "none"), "shard", SHARDS)
+    sharding = f.text(data.get("sharding", "none"), "sharding", SHARDINGS)
+    units = _shard_units(data.get("shard_units"), f)
+    if world_size == 1 and shard != "none":
+        raise f.fail("shard", f"is {shard!r} but world_size is 1", "set world_size to the number of ranks, or shard: none")
+    if world_size > 1 and shard == "none":
+        raise f.fail(
+            "shard",
+            f"is 'none' but world_size is {world_size}: a plan for several ranks names its sharding stage",
+            f"use one of {', '.join(s for s in SHARDS if s != 'none')} (plain data parallelism: a plan for world_size 1)",
+        )
+    if world_size == 1 and sharding != "none":
+        raise f.fail("sharding", f"is {sharding!r} but world_size is 1", "use none: the figures are one device's")
+    if world_size > 1 and sharding == "none":
+        raise f.fail(
+            "sharding",
+            f"is 'none' but world_size is {world_size}: say how the per-rank figures were obtained",
+            "measured (recorded under the engine) or arithmetic (one device's step divided)",
+        )
+    if units and shard not in FULLY_SHARDED:
+        raise f.fail(
+            "shard_units",
+            f"lists modules but shard is {shard!r}: only {', '.join(FULLY_SHARDED)} call fully_shard",
+            "leave it empty: shard_units: []",
+        )
+    for entry in entries_of(data.get("checkpoint") or ()):
+        if not entry.is_segment:
+            continue
+        for u in units:
+            group = {u} if isinstance(u, str) else set(u)
+            if group & set(entry.modules) and not set(entry.modules) <= group:
+                raise f.fail(
+                    "shard_units",
+                    f"shards {sorted(group & set(entry.modules))[0]!r} of the segment {entry.label} apart from the rest "
+                    "of it: a segment's recompute runs its blocks' forwards without FSDP's hooks",
+                    f"list the segment's blocks as one unit: - [{', '.join(entry.modules)}]",
+                )
+    return {"world_size": world_size, "shard": shard, "sharding": sharding, "shard_units": units}
+
+
+def _shard_units(value: Any, f: yamlio.Fields) -> tuple[ShardUnit, ...]:
+    """The `shard_units` list: module names, and lists of names sharded together as one unit."""
+    if value is None:
+        return ()
+    group_ok = lambda u: isinstance(u, (list, tuple)) and len(u) >= 1 and all(isinstance(n, str) for n in u)  # noqa: E731
+    if not isinstance(value, (list, tuple)) or not all(isinstance(u, str) or group_ok(u) for u in value):
+        raise f.fail(
+            "shard_units",
+            f"must be a list of module names (strings), got {value!r}",
+            "one name from model.named_modules() per line: `  - blocks.0`; modules sharded together as one "
+            "unit are a list: `  - [blocks.2, blocks.3]`",
+        )
+    units = tuple(u if isinstance(u, str) else (u[0] if len(u) == 1 else tuple(u)) for u in value)
+    names = [n for u in units for n in ((u,) if isinstance(u, str) else u)]
+    if "" in names:
+        raise f.fail("shard_units", "names the root module ''", "leave the root out: it is sharded last, on its own")
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise f.fail("shard_units", f"lists {dupes[0]!r} more than once", "list each module once")
+    for i, outer in enumerate(names):
+        inner = next((n for n in names[i + 1 :] if n.startswith(outer + ".")), None)
+        if inner is not None:
+            raise f.fail(
+                "shard_units",
+                f"lists {outer!r} before {inner!r}, which is inside it",
+                "list inner modules first: fully_shard goes from the leaves to the root",
+            )
+    return units
 
 
 def _checkpoint_entries(value: Any, f: yamlio.Fields) -> tuple[Entry, ...]:
