@@ -6,6 +6,7 @@ The public API, one function per command plus the plan:
     prof = ckpt_tune.profile("examples/gpt.py:build", batch_size=8)
     outcome = ckpt_tune.search("examples/gpt.py:build", vram="600MiB")
     ckpt_tune.apply(model, "plan.yaml")            # or outcome.plan
+    ckpt_tune.shard(model, "plan.yaml")            # a plan for several ranks: fully_shard per the plan, after apply
     ckpt_tune.assert_peak_within(model_or_target, baseline="memory.yaml")
 
 Names load on first use, so `import ckpt_tune` does not import torch.
@@ -30,6 +31,7 @@ __all__ = [
     "profile",
     "remove",
     "search",
+    "shard",
 ]
 
 # public name -> (module, attribute in it)
@@ -45,6 +47,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "load_plan": ("ckpt_tune.plan.file", "load_plan"),
     "profile": ("ckpt_tune.measure.session", "profile"),
     "search": ("ckpt_tune.tune.search", "search"),
+    "shard": ("ckpt_tune.plan.shard", "shard"),
 }
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -55,6 +58,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ckpt_tune.plan.apply import apply, remove
     from ckpt_tune.plan.apply import apply as apply_plan
     from ckpt_tune.plan.file import Plan, load_plan
+    from ckpt_tune.plan.shard import shard
     from ckpt_tune.tune.search import search
 
 

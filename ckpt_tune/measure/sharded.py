@@ -13,7 +13,8 @@ state. The CPU allocator (or `FakeRecorder` under fake tensors) sees every one o
     with ShardedRunner(model, batch_fn, loss_fn, StepSettings(), world_size=8, shard="zero3") as r:
         m = r.measure(batch_size, units=blocks)      # rank 0's Measurement
 
-The stages (issue 15; `ENGINES`):
+The stages (issue 15; `ENGINES`, from plan/shard.py: the calls `ckpt_tune.shard` and the patch snippet
+make for a plan of several ranks):
 
     zero3, fsdp  fully_shard(block, reshard_after_forward=True) for every unit, then the root
     zero2        the same with reshard_after_forward=False: parameters stay gathered from forward
@@ -96,15 +97,12 @@ from ckpt_tune.errors import CkptTuneError
 from ckpt_tune.measure import fake_inputs
 from ckpt_tune.measure.runner import Measurement, StepRunner, StepSettings, local_tensor, unique_bytes
 from ckpt_tune.plan import apply as plan_apply
+from ckpt_tune.plan import shard as plan_shard
 
-# shard stage -> (engine, reshard_after_forward)
-ENGINES: dict[str, tuple[str, bool | None]] = {
-    "zero1": ("zero_optimizer", None),
-    "zero2": ("fully_shard", False),
-    "zero3": ("fully_shard", True),
-    "fsdp": ("fully_shard", True),
-}
-MIXED = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+# the stages' engines and mixed precisions are the plan's (plan/shard.py): the step is recorded under
+# the calls `ckpt_tune.shard` and the patch snippet make
+ENGINES = plan_shard.ENGINES
+MIXED = plan_shard.MIXED
 
 
 class ShardingError(CkptTuneError):
@@ -224,24 +222,16 @@ def shard_model(
     world_size = mesh.size()
     check_stage(world_size, shard)
     units_t = tuple(u if isinstance(u, str) else tuple(u) for u in (default_units(model) if units is None else units))
-    engine, reshard = ENGINES[shard]
     handle = ShardedModel(model, world_size, shard, mesh.get_rank(), units_t)
-    if engine != "fully_shard":
+    if ENGINES[shard][0] != "fully_shard":
         return handle
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     handle._saved = [
         (m, m.__class__, dict(m._parameters), {a: dict(getattr(m, a)) for a in _HOOK_DICTS}, set(m.__dict__))
         for m in model.modules()
     ]
-    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard}
-    if precision in MIXED:
-        handle.mp_dtype = MIXED[precision]
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=MIXED[precision], reduce_dtype=torch.float32)
+    handle.mp_dtype = MIXED.get(precision)
     try:
-        for u in units_t:
-            fully_shard([model.get_submodule(n) for n in u] if isinstance(u, tuple) else model.get_submodule(u), **kwargs)
-        fully_shard(model, **kwargs)
+        plan_shard.fully_shard_units(model, units_t, mesh, shard, precision)
     except BaseException:
         handle.restore()
         raise
