@@ -2,7 +2,9 @@
 
 It checkpoints the plan's entries exactly as `ckpt_tune.apply` does (plan/apply.py), with the same
 attribute names, so `applied_names` and `remove` recognise modules wrapped by either. Segments embed
-plan/segment.py verbatim.
+plan/segment.py verbatim. A plan for several ranks then shards the model as `ckpt_tune.shard` does
+(plan/shard.py), with torch's public API: `fully_shard` on each shard unit and the root, or for zero1 a
+`ZeroRedundancyOptimizer` to build the optimizer with. Checkpoint wrappers first, sharding second.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 from ckpt_tune.plan import policy, segment
 from ckpt_tune.plan.entry import Entry
 from ckpt_tune.plan.file import Plan
+from ckpt_tune.plan.shard import ENGINES, MIXED
 from ckpt_tune.units import format_bytes
 
 # The wrapper of the patch snippet: the same logic, names and guards as ckpt_tune/plan/apply.py (tests run
@@ -113,9 +116,110 @@ def apply_checkpointing(model):
 """
 
 
+# Sharding, after the checkpoint wrappers: the calls of ckpt_tune.shard (plan/shard.py), torch alone.
+_SNIPPET_FULLY_SHARD = """
+
+# Sharding, after the checkpoint wrappers: {title}.
+# Run every rank under torchrun (the default process group must exist); then build the optimizer.
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+WORLD_SIZE = {world_size}
+# fully_shard each, in this order (a list: modules sharded together as one unit), then the root
+SHARD_UNITS = {units}
+
+
+def apply_sharding(model):
+    if not dist.is_initialized() or dist.get_world_size() != WORLD_SIZE:
+        raise RuntimeError(f"this plan is for {WORLD_SIZE} ranks: run it under torchrun --nproc-per-node {WORLD_SIZE}")
+    # the parameters' device, or for parameters on the CPU the process group's (FSDP moves them there)
+    device = next((p.device.type for p in model.parameters() if p.device.type not in ("cpu", "meta")), None)
+    backend = str(dist.get_backend())
+    device = device or ("cuda" if "nccl" in backend else "xpu" if "xccl" in backend else "cpu")
+    mesh = init_device_mesh(device, (WORLD_SIZE,))
+    options = {"mesh": mesh, "reshard_after_forward": {reshard}{mp_policy}}
+    for unit in SHARD_UNITS:
+        fully_shard(model.get_submodule(unit) if isinstance(unit, str) else [model.get_submodule(n) for n in unit], **options)
+    fully_shard(model, **options)
+    return model
+
+
+model = apply_sharding(model)
+"""
+
+_SNIPPET_ZERO1 = """
+
+# Sharding, after the checkpoint wrappers: ZeRO-1 over {world_size} ranks. The model stays whole on every
+# rank and the optimizer state is sharded: build the optimizer as `optimizer = make_optimizer(model, lr=...)`.
+# Run every rank under torchrun (the default process group must exist).
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+WORLD_SIZE = {world_size}
+
+
+def make_optimizer(model, **optimizer_kwargs):
+    if not dist.is_initialized() or dist.get_world_size() != WORLD_SIZE:
+        raise RuntimeError(f"this plan is for {WORLD_SIZE} ranks: run it under torchrun --nproc-per-node {WORLD_SIZE}")
+{defaults}    params = [p for p in model.parameters() if p.requires_grad]
+    return ZeroRedundancyOptimizer(params, optimizer_class={optimizer_class}, **optimizer_kwargs)
+"""
+
+# the plan's optimizer as torch's class (sgd-momentum: SGD with a momentum buffer, which the plan counts)
+_OPTIMIZER_CLASS = {
+    "adamw": "torch.optim.AdamW",
+    "adam": "torch.optim.Adam",
+    "sgd": "torch.optim.SGD",
+    "sgd-momentum": "torch.optim.SGD",
+}
+_STAGE_TITLE = {
+    "zero2": "ZeRO-2 as FSDP2 over {n} ranks, reshard_after_forward=False (gradients and\n"
+    "# optimizer state sharded; each unit's parameters stay gathered from its forward to its backward)",
+    "zero3": "ZeRO-3 as FSDP2 over {n} ranks (parameters, gradients and optimizer\n"
+    "# state sharded; each unit's parameters gathered for its forward and again for its backward)",
+    "fsdp": "FSDP2 over {n} ranks (parameters, gradients and optimizer state\n"
+    "# sharded; each unit's parameters gathered for its forward and again for its backward)",
+}
+
+
+def sharding_snippet(plan: Plan) -> str:
+    """The code that shards the model after the checkpoint wrappers, for a plan of world_size > 1
+    ("" for one device): the calls of ckpt_tune.shard (plan/shard.py) with torch's public API."""
+    if plan.world_size == 1:
+        return ""
+    if ENGINES[plan.shard][0] != "fully_shard":  # zero1: the optimizer, not the model
+        cls = _OPTIMIZER_CLASS.get(plan.optimizer)
+        if cls is None:
+            return f"\n\n# ZeRO-1 over {plan.world_size} ranks shards optimizer state; this plan has no optimizer.\n"
+        momentum = '    optimizer_kwargs.setdefault("momentum", 0.9)  # the plan counts a momentum buffer\n'
+        return (
+            _SNIPPET_ZERO1.replace("{world_size}", str(plan.world_size))
+            .replace("{optimizer_class}", cls)
+            .replace("{defaults}", momentum if plan.optimizer == "sgd-momentum" else "")
+        )
+
+    def literal(u) -> str:  # json.dumps writes a valid Python string literal for any name
+        return json.dumps(u) if isinstance(u, str) else "[" + ", ".join(json.dumps(n) for n in u) + "]"
+
+    units = "[" + "".join(f"\n    {literal(u)}," for u in plan.shard_units) + ("\n]" if plan.shard_units else "]")
+    mp = ""
+    if plan.precision in MIXED:  # FSDP2's policy, not autocast: the way the plan's step was recorded
+        dtype = str(MIXED[plan.precision]).removeprefix("torch.")
+        mp = f', "mp_policy": MixedPrecisionPolicy(param_dtype=torch.{dtype}, reduce_dtype=torch.float32)'
+    return (
+        _SNIPPET_FULLY_SHARD.replace("{title}", _STAGE_TITLE[plan.shard].format(n=plan.world_size))
+        .replace("{world_size}", str(plan.world_size))
+        .replace("{units}", units)
+        .replace("{reshard}", str(ENGINES[plan.shard][1]))
+        .replace("{mp_policy}", mp)
+    )
+
+
 def patch_snippet(plan: Plan, *, hf: bool = False) -> str:
     """Python source to paste into a training script after the model is built: it checkpoints the
-    plan's modules exactly as `ckpt_tune.apply` does, with torch only (no ckpt_tune import).
+    plan's modules exactly as `ckpt_tune.apply` does, with torch only (no ckpt_tune import), and for a
+    plan of several ranks then shards the model as `ckpt_tune.shard` does (`sharding_snippet`).
 
     `hf=True` uses Hugging Face's per-layer switch when every planned module is a
     GradientCheckpointingLayer, and the plain wrapper otherwise.
@@ -127,13 +231,18 @@ def patch_snippet(plan: Plan, *, hf: bool = False) -> str:
         if plan.verified_peak_bytes is None
         else f"verified by running it: {format_bytes(plan.verified_peak_bytes)}"
     )
+    peak = f"Predicted peak {format_bytes(plan.predicted_peak_bytes)}{budget} ({verified})."
+    paste = "before creating the optimizer and before FSDP / torch.compile."
+    if plan.world_size > 1:
+        peak = f"Per rank of {plan.world_size} ({plan.shard}): p{peak[1:]}"
+        paste = "before creating the optimizer and torch.compile: it checkpoints, then shards."
     header = [
         f"# ckpt-tune plan for {plan.target} ({plan.device}, {plan.precision}, optimizer {plan.optimizer})",
         f"# Use micro-batch size {plan.batch_size} with {plan.grad_accum_steps} gradient-accumulation step(s)"
         f" ({per_step} samples per optimizer step).",
-        f"# Predicted peak {format_bytes(plan.predicted_peak_bytes)}{budget} ({verified}).",
+        f"# {peak}",
         f"# Recompute adds about {plan.predicted_recompute_fraction:.1%} to the step time.",
-        "# Paste after building `model`, before creating the optimizer and before FSDP / torch.compile.",
+        f"# Paste after building `model`, {paste}",
     ]
     segments = any(e.is_segment for e in plan.checkpoint)
     policies = any(e.policy is not None for e in plan.checkpoint)
@@ -165,7 +274,7 @@ def patch_snippet(plan: Plan, *, hf: bool = False) -> str:
         body = _module_source(segment, "Segments: consecutive blocks under one checkpoint (ckpt_tune/plan/segment.py, verbatim)") + body
     if hf:
         body += _SNIPPET_HF
-    return "\n".join(header) + "\n" + body + "\n\nmodel = apply_checkpointing(model)\n"
+    return "\n".join(header) + "\n" + body + "\n\nmodel = apply_checkpointing(model)\n" + sharding_snippet(plan)
 
 
 def _module_source(module, title: str) -> str:
