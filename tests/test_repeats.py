@@ -153,3 +153,24 @@ def test_blocks_that_look_identical_but_record_differently_fall_back(monkeypatch
         assert s.repeat is None
         assert len(t.blocks) == 8
         assert any("recorded at full depth" in n for n in s.notes)
+
+
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module:UserWarning")  # the head's 3-D output is a view
+@pytest.mark.parametrize("shard", ["zero1", "zero2", "zero3"])
+def test_extended_sharded_terms_equal_full_depth_terms_to_the_byte(shard):
+    """Rank 0 of a sharded step (measure/sharded.py) on the shortened chain, extended: the same terms
+    as recorded at full depth under the same engine."""
+    from ckpt_tune.measure.sharded import ShardedRunner
+
+    units = [f"layers.{i}" for i in range(8)]
+    with ShardedRunner(Decoder(), make_batch, loss_fn, StepSettings(device="cpu"), world_size=4, shard=shard, units=units) as runner:
+        s = Searcher(runner, world_size=4, shard=shard)
+        s.order_units(1)
+        assert s.repeat is not None
+        for b in (1, 3):
+            ext = s.terms(b)
+            assert s.repeat is not None, s.notes
+            full, _ = _full_depth(s, b)
+            assert (ext.static, ext.base, ext.fixed) == (full.static, full.base, full.fixed)
+            for i, (e, f) in enumerate(zip(ext.blocks, full.blocks, strict=True)):
+                assert (e.d, e.F, e.B) == (f.d, f.F, f.B), f"block {i} at batch {b}"

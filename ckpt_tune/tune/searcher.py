@@ -23,6 +23,7 @@ import torch
 from ckpt_tune.errors import NoFitError, UserCodeError
 from ckpt_tune.measure.op_costs import policy_ratios, recompute_shares
 from ckpt_tune.measure.runner import StepRunner, Timing, unique_bytes
+from ckpt_tune.measure.sharded import ShardedRunner
 from ckpt_tune.plan.entry import POLICIES, Entry, member_names, to_data
 from ckpt_tune.plan.segment import available as segment_available
 from ckpt_tune.tune.candidates import (
@@ -235,8 +236,10 @@ class Searcher:
         tl = m.timeline
         none = (0,) * len(self.units)
         self._order_cut = (batch_size, cut_run(tl.live_at, tl.max_between, tl.markers, self.units, none), m.static_bytes)
-        # a plain runner only: HostGuard bounds later steps by the ones it ran, which a shortened step would fool
-        self.repeat = find_repeat(self.runner.model, self.units) if type(self.runner) is StepRunner else None
+        # a plain or sharded runner only: HostGuard bounds later steps by the ones it ran, which a shortened
+        # step would fool
+        plain = type(self.runner) is StepRunner or type(self.runner) is ShardedRunner
+        self.repeat = find_repeat(self.runner.model, self.units) if plain else None
 
     def _useful_policies(self, batch_size: int) -> list[str]:
         """The op policies that keep something in some block (one forward, measure/op_costs.py): a
