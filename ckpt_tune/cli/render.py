@@ -108,8 +108,13 @@ def render_search(outcome, plan_yaml: str, patch: str, elapsed_s: float) -> None
     res, budget = outcome.result, outcome.budget
     err.print(f"budget: {budget.source}; usable {format_bytes(budget.usable_bytes)}")
     if outcome.world_size > 1:
-        err.print(f"per GPU of {outcome.world_size} ({outcome.shard}): every peak below is one GPU's, the sharded "
-                  "states by arithmetic on the recorded single-device step")
+        how = (
+            "rank 0's step recorded under the real engine (fake process group), collective buffers included"
+            if outcome.sharding == "measured"
+            else "the sharded states by arithmetic on the recorded single-device step (the engine is recorded "
+            "only on --device cpu or meta)"
+        )
+        err.print(f"per GPU of {outcome.world_size} ({outcome.shard}): every peak below is one GPU's, {how}")
     t = Table(title="Frontier: best plan per batch size", title_justify="left")
     for col in ("batch", "checkpointed blocks", "predicted peak", "recompute", "fits"):
         t.add_column(col, justify="right" if col != "checkpointed blocks" else "left")

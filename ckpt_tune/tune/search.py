@@ -19,7 +19,7 @@ from ckpt_tune import vocab
 from ckpt_tune.errors import NoFitError
 from ckpt_tune.measure.device import Budget, parse_budget, resolve_device
 from ckpt_tune.measure.session import Settings, build_runner, load, user_errors
-from ckpt_tune.plan.file import Plan
+from ckpt_tune.plan.file import FULLY_SHARDED, Plan
 from ckpt_tune.tune.candidates import find_blocks
 from ckpt_tune.tune.searcher import Searcher, SearchResult
 from ckpt_tune.tune.sharding import check_shard
@@ -36,7 +36,6 @@ class SearchOutcome:
     shard: str = "none"
     # how the per-GPU figures were obtained: "measured" (rank 0 under the real engine), "arithmetic", "none"
     sharding: str = "none"
-    shard_units: tuple[str, ...] = ()  # the modules sharded as units (root last, implied)
 
 
 def search(
@@ -63,7 +62,7 @@ def search(
     budget = parse_budget(vram, "cuda" if device == "meta" else device, margin)
     world_size, shard = check_shard(world_size, shard)
     # a sharded step is recorded under the real engine, sharded per the planner's blocks (docs/design.md §6)
-    _model, runner, step = build_runner(t, settings, world_size, shard, units_of=find_blocks)
+    model, runner, step = build_runner(t, settings, world_size, shard, units_of=find_blocks)
     built_s = round(time.perf_counter() - t0, 2)
     with user_errors("searching"), runner:
         searcher = Searcher(
@@ -96,9 +95,13 @@ def search(
         predicted_peak_bytes=res.predicted_peak,
         predicted_recompute_fraction=res.recompute_fraction,
         verified_peak_bytes=res.verified_peak,
+        world_size=world_size,
+        shard=shard,
+        # what build_runner sharded (the engine's, recorded) or what the arithmetic assumed: the blocks
+        shard_units=tuple(find_blocks(model)) if shard in FULLY_SHARDED else (),
+        sharding=searcher.sharding,
     )
-    units = tuple(getattr(runner, "units", None) or ()) if searcher.sharding == "measured" else ()
-    return SearchOutcome(plan, res, budget, t.is_hf, target_batch, searcher.world_size, searcher.shard, searcher.sharding, units)
+    return SearchOutcome(plan, res, budget, t.is_hf, target_batch, searcher.world_size, searcher.shard, searcher.sharding)
 
 
 def _fit_target_batch(searcher: Searcher, res: SearchResult, want: int, budget: int) -> SearchResult:
