@@ -25,6 +25,7 @@ from ckpt_tune.measure.op_costs import policy_ratios, recompute_shares
 from ckpt_tune.measure.runner import StepRunner, Timing, unique_bytes
 from ckpt_tune.measure.sharded import ShardedRunner
 from ckpt_tune.plan.entry import POLICIES, Entry, member_names, to_data
+from ckpt_tune.plan.file import FULLY_SHARDED
 from ckpt_tune.plan.segment import available as segment_available
 from ckpt_tune.tune.candidates import (
     chain_of,
@@ -166,10 +167,10 @@ class Searcher:
         self.options: tuple[str, ...] = ("none", "block")
         self.b1, self.b2 = 1, 4  # the two small batch sizes every search probes
         self.notes: list[str] = []
-        if self.sharding == "measured" and self.use_segments:
+        if self.shard in FULLY_SHARDED and self.use_segments:
             # a segment's recompute calls its blocks' forwards without FSDP's pre-forward hooks
             self.use_segments = False
-            self.notes.append("segments are not offered under a sharded engine: each block is its own shard unit")
+            self.notes.append(f"segments are not offered under {self.shard}: each block is its own shard unit")
         self.runs = 0
         self._costs: dict[int, tuple[tuple[tuple[float, ...], ...], float]] = {}
         # the full-depth step order_units records: (batch, its cut with no checkpointing, static bytes);
