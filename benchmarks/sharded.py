@@ -1,14 +1,18 @@
-"""Sharded data parallelism: rank 0's measured peak under PyTorch's engines vs today's arithmetic.
+"""Sharded data parallelism: ckpt-tune's sharded plans against rank 0's peak under PyTorch's engines.
 
-For each model, world size (2, 4, 8), stage (zero1, zero2, zero3) and checkpoint plan (none, every
-block): the peak of rank 0 measured under the real engine in a fake process group (FSDP2 `fully_shard`
-per block and at the root, reshard_after_forward True for zero3 and False for zero2;
-`ZeroRedundancyOptimizer` over AdamW for zero1), by tests/sharded_worker.py's harness (the CPU
-allocator's events, no ckpt_tune code; checkpoint wrappers from tests/harness.py applied before
-sharding), against what `search --world-size N --shard S` predicts today: the single-device memory
-model's terms at the same batch (tune/searcher.py probes) passed through tune/sharding.py's
-`per_gpu_terms`, and `predict` for the same plan. The gap is what issue 15 is about; this table is the
-baseline the measured-terms integration is judged against.
+For each model, world size (2, 4, 8) and stage (zero1: `ZeroRedundancyOptimizer` over AdamW; zero2:
+FSDP2 `fully_shard` per block and at the root with reshard_after_forward=False; zero3: the same with
+True; `--shard fsdp` is the zero3 configuration, measure/sharded.py ENGINES):
+
+1. ground truth for two fixed plans, no checkpointing and every block, by tests/sharded_worker.py's
+   harness (torch.profiler's CPU allocator events, no ckpt_tune code; the engine set up with torch alone,
+   rank 0 of a fake process group, checkpoint wrappers applied before sharding);
+2. a budget halfway between the two, and `ckpt_tune.search(..., world_size=N, shard=S)` at the fixed
+   batch: the plan, its predicted per-rank peak and the time the search took;
+3. the plan measured by the same harness: the error of the prediction, and whether it is within budget.
+
+The arithmetic that `search` used before the engine was recorded (one device's terms through
+tune/sharding.py `per_gpu_terms`) is shown beside it for the "none" and "every block" plans.
 
     .venv/bin/python benchmarks/sharded.py [--quick] [--allow-dirty]
 """
@@ -33,8 +37,11 @@ from common import md_table, mib, pct, write_results  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
+import ckpt_tune  # noqa: E402
 from ckpt_tune.measure import loader  # noqa: E402
 from ckpt_tune.measure.runner import StepRunner  # noqa: E402
+from ckpt_tune.measure.session import Settings  # noqa: E402
+from ckpt_tune.plan.entry import to_data  # noqa: E402
 from ckpt_tune.tune.memory_model import predict  # noqa: E402
 from ckpt_tune.tune.searcher import Searcher  # noqa: E402
 from ckpt_tune.tune.sharding import per_gpu_terms  # noqa: E402
@@ -50,12 +57,13 @@ STAGES = ("zero1", "zero2", "zero3")
 
 
 def measured(target, units, batch: int, world_size: int, shard: str, checkpoint) -> int:
+    """Rank 0's peak by the independent harness, the engine set up with torch alone."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         wrap_engine, make_opt = sharded_worker.engine(shard, init_device_mesh("cpu", (world_size,)), units)
 
         def wrap(model):
-            if checkpoint:
+            if checkpoint:  # checkpoint wrappers go on before sharding
                 harness.wrap_blocks(model, checkpoint)
             if wrap_engine is not None:
                 wrap_engine(model)
@@ -71,56 +79,80 @@ def measured(target, units, batch: int, world_size: int, shard: str, checkpoint)
         dist.destroy_process_group()
 
 
+def single_device(spec: str, batch: int):
+    """One device's terms, state bytes and blocks (what the arithmetic divides)."""
+    target = loader.load_target(spec)
+    runner = StepRunner(loader.build_model(target), lambda b: loader.make_batch(target, b),
+                        lambda m, b: loader.compute_loss(target, m, b))
+    with runner:
+        s = Searcher(runner, candidates=frozenset({"blocks"}))
+        s.order_units(batch)
+        terms = s.terms(batch)
+        params, opt, _grads = runner.state_bytes()
+        return target, terms, params, opt, s.gathered_bytes(), s.units, {k: s.names(c) for k, c in {
+            "none": (0,) * len(s.units), "every block": (1,) * len(s.units)}.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="gpt only, world size 4")
-    ap.add_argument("--allow-dirty", action="store_true")
     args = ap.parse_args()
     models = {"gpt": MODELS["gpt"]} if args.quick else MODELS
     worlds = (4,) if args.quick else WORLD_SIZES
     rows, data = [], []
     for name, (spec, batch) in models.items():
-        target = loader.load_target(spec)
-        runner = StepRunner(loader.build_model(target), lambda b, t=target: loader.make_batch(t, b),
-                            lambda m, b, t=target: loader.compute_loss(t, m, b))
-        with runner:
-            s = Searcher(runner)
-            s.order_units(batch)
-            terms = s.terms(batch)
-            params, opt, _grads = runner.state_bytes()
-            gathered = s.gathered_bytes()
-            plans = {"none": (0,) * len(s.units), "every block": (1,) * len(s.units)}
-            names = {k: s.names(c) for k, c in plans.items()}
-            units = s.units
-        for plan, choice in plans.items():
-            ckpt = [e.modules[0] if len(e.modules) == 1 else tuple(e.modules) for e in names[plan]]
-            single = measured_single = sharded_worker.measured_peak(
-                lambda t=target: loader.build_model(t), lambda b, t=target: loader.make_batch(t, b),
-                lambda m, b, t=target: loader.compute_loss(t, m, b), batch,
-                (lambda m, c=ckpt: harness.wrap_blocks(m, c)) if ckpt else None)
-            for w in worlds:
-                for shard in STAGES:
-                    t0 = time.perf_counter()
-                    arith = predict(per_gpu_terms(terms, params, opt, w, shard, gathered), choice)
-                    meas = measured(target, units, batch, w, shard, ckpt)
-                    err = (arith - meas) / meas
-                    row = {"model": name, "batch": batch, "checkpoint": plan, "world_size": w, "shard": shard,
-                           "single_device_peak": single, "arithmetic_peak": arith, "measured_rank0_peak": meas,
-                           "arithmetic_error": round(err, 5), "seconds": round(time.perf_counter() - t0, 1)}
-                    data.append(row)
-                    rows.append([name, batch, plan, w, shard, mib(measured_single), mib(arith), mib(meas), pct(err)])
-                    print(row, file=sys.stderr, flush=True)
-    errs = [abs(r["arithmetic_error"]) for r in data]
+        target, terms, params, opt, gathered, units, fixed = single_device(spec, batch)
+        choices = {"none": (0,) * len(units), "every block": (1,) * len(units)}
+        for w in worlds:
+            for shard in STAGES:
+                t0 = time.perf_counter()
+                truth = {k: measured(target, units, batch, w, shard, to_data(fixed[k])) for k in fixed}
+                arith = {k: predict(per_gpu_terms(terms, params, opt, w, shard, gathered), c) for k, c in choices.items()}
+                budget = (truth["none"] + truth["every block"]) // 2
+                t1 = time.perf_counter()
+                out = ckpt_tune.search(spec, vram=f"{budget}B", batch_size=batch, world_size=w, shard=shard,
+                                       settings=Settings(device="cpu"))
+                search_s = time.perf_counter() - t1
+                plan = out.plan
+                got = measured(target, units, batch, w, shard, to_data(plan.checkpoint))
+                err = (plan.predicted_peak_bytes - got) / got
+                row = {
+                    "model": name, "batch": batch, "world_size": w, "shard": shard,
+                    "sharding": out.sharding,
+                    "none_measured": truth["none"], "none_arithmetic": arith["none"],
+                    "every_block_measured": truth["every block"], "every_block_arithmetic": arith["every block"],
+                    "budget": budget, "plan": to_data(plan.checkpoint), "predicted_peak": plan.predicted_peak_bytes,
+                    "verified_peak": plan.verified_peak_bytes, "measured_peak": got, "error": round(err, 6),
+                    "within_budget": got <= budget, "recorded_steps": out.result.probes,
+                    "search_seconds": round(search_s, 1), "seconds": round(time.perf_counter() - t0, 1),
+                }
+                data.append(row)
+                rows.append([
+                    name, batch, w, shard, mib(truth["none"]), pct((arith["none"] - truth["none"]) / truth["none"]),
+                    mib(truth["every block"]),
+                    pct((arith["every block"] - truth["every block"]) / truth["every block"]), mib(budget),
+                    len(plan.checkpoint), mib(plan.predicted_peak_bytes), mib(got), pct(err),
+                    "yes" if got <= budget else "**no**", f"{search_s:.0f}",
+                ])
+                print(row, file=sys.stderr, flush=True)
+    errs = [abs(r["error"]) for r in data]
+    old = [abs((r[f"{k}_arithmetic"] - r[f"{k}_measured"]) / r[f"{k}_measured"]) for r in data for k in ("none", "every_block")]
+    fits = sum(r["within_budget"] for r in data)
     body = (
-        "Rank 0's peak measured under the real engine (fake process group, CPU allocator events, "
-        "tests/sharded_worker.py) vs the arithmetic of `search --world-size N --shard S` today "
-        "(single-device terms through tune/sharding.py `per_gpu_terms`, then `predict`). MiB; error = "
-        "(arithmetic - measured) / measured: positive is conservative, negative is a plan that would "
-        "not fit.\n\n"
-        + md_table(["model", "batch", "checkpoint", "world", "stage", "1 device", "arithmetic", "measured rank 0", "error"], rows)
-        + f"\n\nLargest |error|: {pct(max(errs))}; mean |error|: {pct(sum(errs) / len(errs))}.\n"
+        "Rank 0 of a fake process group; every measured peak by the independent harness (tests/sharded_worker.py: "
+        "torch.profiler's CPU allocator events, engine set up with torch alone). MiB. `none` / `every block`: "
+        "the two fixed plans measured, and the error of the old arithmetic (one device's terms divided, "
+        "tune/sharding.py) on them. The budget is halfway between them; `ckpt_tune.search(..., world_size, "
+        "shard)` at the fixed batch records rank 0's step under the engine and plans on it; its plan is then "
+        "measured. Error = (predicted - measured) / measured.\n\n"
+        + md_table(["model", "batch", "world", "stage", "none", "arith. error", "every block", "arith. error",
+                    "budget", "entries", "predicted", "measured", "error", "≤ budget", "search s"], rows)
+        + f"\n\nPlans within budget: {fits} of {len(data)}. Largest |error| of ckpt-tune's prediction: "
+        f"{pct(max(errs))}; mean {pct(sum(errs) / len(errs))}. The old arithmetic on the fixed plans: largest "
+        f"|error| {pct(max(old))}, mean {pct(sum(old) / len(old))}.\n"
     )
-    write_results("sharded", "Sharded steps: measured rank-0 peak vs per_gpu_terms arithmetic", {"rows": data}, body)
+    write_results("sharded", "Sharded plans: ckpt-tune's predicted per-rank peak vs rank 0 measured under the engine",
+                  {"rows": data}, body)
 
 
 if __name__ == "__main__":
