@@ -66,6 +66,18 @@ So a block's forward term (its `f>`..`f<` window) includes its own all-gather bu
 the memory model's cut of a sharded step is the same cut at the same markers, and the bytes FSDP holds
 between them are in the timeline.
 
+**Against a real job** (tests/test_sharded_engine.py, slow). In a two-process `torchrun` gloo job each
+rank's step holds exactly the bytes the fake process group gives for that rank (fsdp, zero2, zero1, both
+ranks of an uneven split). The CPU allocator there also sees gloo's own collective buffers, which the fake
+group (and NCCL, from the caching allocator) does not allocate: `all_gather_into_tensor` gathers into a
+second full-size buffer on gloo's worker thread and `reduce_scatter_tensor` clones its full-size input,
+so the whole-process figure exceeds the step's by 0 to 0.5 MB on that small model, varying with where the
+worker thread runs against the step; and a buffer whose last reference gloo's worker thread drops is
+freed where the profiler does not record it. The comparison therefore leaves out allocations made on
+the backend's threads or inside a `c10d::` collective op, and makes FSDP2's all-gather return once gloo
+has let go of the buffer (tests/sharded_worker.py has the bytes and the rule). What is recorded here is the
+step's; a backend's scratch, on CPU, is on top of it.
+
 **Fake tensors** (`--device meta`, measure/fake.py). FSDP2 and ZeroRedundancyOptimizer run under the
 project's FakeTensorMode with the fake process group: fully_shard chunks fake parameters, the
 collectives of the fake group accept fake tensors, and the step runs. Two conditions, both handled here:
