@@ -97,6 +97,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -350,7 +351,10 @@ class ShardedRunner(StepRunner):
             pg.__exit__(None, None, None)
 
     def measure(self, *args, **kwargs) -> Measurement:
-        with fake_fsdp_recording() if self.fake else contextlib.nullcontext():
+        with fake_fsdp_recording() if self.fake else contextlib.nullcontext(), warnings.catch_warnings():
+            # FSDP2's advice on a model whose output is a view (an in-place op on it would skip a hook):
+            # about the user's later code, not this step, and repeated on every recorded step
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module", category=UserWarning)
             return super().measure(*args, **kwargs)
 
     def _autocast(self):
