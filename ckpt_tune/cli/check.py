@@ -66,6 +66,17 @@ def check(
     hf_config: HfConfig = None,
     seq_len: SeqLen = 512,
     attn: Attn = "sdpa",
+    world_size: Annotated[
+        int | None,
+        typer.Option(
+            "--world-size",
+            min=1,
+            help="rank 0 of a sharded run over N ranks, recorded under the real engine (cpu/meta); default: the baseline's",
+        ),
+    ] = None,
+    shard: Annotated[
+        str | None, typer.Option(help="zero1 | zero2 | zero3 | fsdp (with --world-size); default: the baseline's")
+    ] = None,
     top: Annotated[int, typer.Option(help="rows in the module diff")] = 10,
     as_json: Json = False,
 ) -> None:
@@ -84,6 +95,8 @@ def check(
             batch_size=batch_size,
             settings=settings,
             plan=plan,
+            world_size=world_size,
+            shard=shard,
         )
     render_check(result, top=top)
     if as_json:
@@ -115,7 +128,8 @@ def _verdict(result) -> str:
     return (
         f"[bold]baseline {what}[/bold]: {escape(str(result.baseline_path))}, peak {format_bytes(rec.peak_bytes)} "
         f"({rec.settings.device}, {rec.settings.precision}, {rec.settings.optimizer}, batch {rec.settings.batch_size}, "
-        f"{len(rec.modules)} modules saving activations); commit it"
+        + (f"rank 0 of {rec.settings.world_size} under {rec.settings.shard}, " if rec.settings.world_size > 1 else "")
+        + f"{len(rec.modules)} modules saving activations); commit it"
     )
 
 
@@ -201,6 +215,7 @@ def render_check(result, top: int = 10) -> None:
     err.print(
         escape(f"{result.target}{against}{recorded}") + f": batch {s.batch_size}, {s.device}, {s.precision}, "
         f"optimizer {s.optimizer}" + (f", checkpointing {len(member_names(s.checkpoint))} modules" if s.checkpoint else "")
+        + (f", rank 0 of {s.world_size} under {s.shard}" if s.world_size > 1 else "")
     )
     if result.settings_diff:
         err.print("[bold]settings that differ from the baseline's[/bold]")

@@ -2,6 +2,8 @@
 
 A baseline (YAML, `write_baseline` / `load_baseline`) holds the peak, the breakdown at the peak, the
 whole-step static parts and each module's activation bytes, with the settings it was measured under.
+A baseline of a sharded run (`world_size` > 1, `shard`) holds rank 0's figures, recorded under the real
+engine with a fake process group (measure/sharded.py); a file without those keys is one device.
 The file goes through the package's YAML codec (yamlio.py): written line by line with a comment on
 each number for people, read with `yaml.safe_load`, every field checked with the file and the field
 named in the error. No torch here.
@@ -19,7 +21,7 @@ from ckpt_tune import yamlio
 from ckpt_tune.errors import BaselineError, PlanError, RegressionError
 from ckpt_tune.plan.entry import Entry, plain
 from ckpt_tune.units import format_bytes
-from ckpt_tune.vocab import DEVICES, OPTIMIZERS, PARTS, PRECISIONS, device_kind
+from ckpt_tune.vocab import DEVICES, OPTIMIZERS, PARTS, PRECISIONS, SHARDS, device_kind
 
 if TYPE_CHECKING:
     from ckpt_tune.measure.profiler import StepProfile
@@ -42,6 +44,8 @@ class CheckSettings:
     checkpoint: tuple[str, ...] = ()  # modules checkpointed by the --plan; () without one
     seq_len: int | None = None  # --hf-config targets only: the sequence length of the batch
     attn: str | None = None  # --hf-config targets only: the attention kernel
+    world_size: int = 1  # ranks of a sharded run; > 1: every figure is rank 0's, recorded under the engine
+    shard: str = "none"  # one of SHARDS: "none" exactly when world_size is 1
 
 
 @dataclass(frozen=True)
@@ -125,8 +129,14 @@ class CheckResult:
 
 
 def settings_of(
-    profile: StepProfile, checkpoint: Sequence[str] = (), seq_len: int | None = None, attn: str | None = None
+    profile: StepProfile,
+    checkpoint: Sequence[str] = (),
+    seq_len: int | None = None,
+    attn: str | None = None,
+    world_size: int = 1,
+    shard: str = "none",
 ) -> CheckSettings:
+    """The settings of a profiled step (`world_size`/`shard`: the sharded run whose rank 0 it is)."""
     return CheckSettings(
         profile.batch_size,
         profile.precision,
@@ -135,6 +145,8 @@ def settings_of(
         tuple(checkpoint),
         seq_len,
         attn,
+        world_size,
+        shard,
     )
 
 
@@ -192,6 +204,11 @@ def baseline_to_yaml(b: Baseline) -> str:
     ]
     if s.seq_len is not None or s.attn is not None:
         lines += [_field("seq_len", s.seq_len, indent=2), _field("attn", s.attn, indent=2)]
+    if s.world_size > 1:  # written for a sharded run only: a one-device file is as it always was
+        lines += [
+            _field("world_size", s.world_size, "ranks; every figure below is rank 0's", indent=2),
+            _field("shard", s.shard, "recorded under the real engine, a fake process group", indent=2),
+        ]
     lines += [
         _field("peak_bytes", b.peak_bytes, format_bytes(b.peak_bytes)),
         _field(
@@ -232,7 +249,7 @@ def write_baseline(baseline: Baseline, path: str | Path) -> Path:
 
 _TOP_KEYS = tuple(f.name for f in fields(Baseline))
 _SETTING_KEYS = tuple(f.name for f in fields(CheckSettings))
-_OPTIONAL_SETTINGS = ("checkpoint", "seq_len", "attn")
+_OPTIONAL_SETTINGS = ("checkpoint", "seq_len", "attn", "world_size", "shard")
 _FIX = "baseline files are written by `ckpt-tune check`: fix the field, or record a new one with --update"
 _RESTORE = "restore it from version control, or record a new one with --update"
 
@@ -275,6 +292,14 @@ def load_baseline(path: str | Path) -> Baseline:
     device = f.text(s["device"], "settings.device")
     if device_kind(device) not in DEVICES:
         raise f.fail("settings.device", f"is {device!r}, not cpu, cuda, cuda:N or meta")
+    world_size = f.integer(s.get("world_size", 1), "settings.world_size", 1)
+    shard = f.text(s.get("shard", "none"), "settings.shard", SHARDS)
+    if (world_size > 1) != (shard != "none"):
+        raise f.fail(
+            "settings.shard",
+            f"is {shard!r} at world_size {world_size}: a sharded run (world_size > 1) names its stage "
+            f"({', '.join(x for x in SHARDS if x != 'none')}), one device has none",
+        )
     settings = CheckSettings(
         batch_size=f.integer(s["batch_size"], "settings.batch_size", 1),
         precision=f.text(s["precision"], "settings.precision", PRECISIONS),
@@ -283,6 +308,8 @@ def load_baseline(path: str | Path) -> Baseline:
         checkpoint=plain(ckpt),
         seq_len=f.integer(s.get("seq_len"), "settings.seq_len", 1, nullable=True),
         attn=None if s.get("attn") is None else f.text(s["attn"], "settings.attn"),
+        world_size=world_size,
+        shard=shard,
     )
     bd = f.keys(data["breakdown"], BREAKDOWN_KEYS, (), "breakdown.")
     # "other" is what is left of the peak after the named parts, and may dip below zero.

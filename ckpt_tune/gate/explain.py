@@ -19,6 +19,8 @@ FLAGS = {  # the command-line option that sets each compared setting, for hints
     "checkpoint": "--plan",
     "seq_len": "--seq-len",
     "attn": "--attn",
+    "world_size": "--world-size",
+    "shard": "--shard",
 }
 
 
@@ -99,12 +101,18 @@ def raise_for_status(result: CheckResult) -> None:
             f"{d.name}: {show_setting(d.baseline)} in the baseline, {show_setting(d.current)} now"
             for d in result.settings_diff
         )
-        flags = [f"{FLAGS[d.name]} {d.baseline}" for d in result.settings_diff if d.name != "checkpoint"]
+        sharding = ("world_size", "shard")
+        flags = [f"{FLAGS[d.name]} {d.baseline}" for d in result.settings_diff if d.name not in ("checkpoint", *sharding)]
         for d in result.settings_diff:
             if d.name == "checkpoint":
                 flags.append(
                     f"a --plan checkpointing {show_setting(d.baseline)}" if d.baseline else "no --plan"
                 )
+        rows = {d.name: d for d in result.settings_diff if d.name in sharding}
+        if "world_size" in rows and rows["world_size"].baseline == 1:
+            flags.append("no --world-size or --shard (the baseline is one device's)")
+        elif rows:  # without the flags, check records at the baseline's world size and stage
+            flags.append(" ".join(f"{FLAGS[k]} {rows[k].baseline}" for k in sharding if k in rows) + " (or leave both out)")
         raise BaselineError(
             f"{where} was measured under other settings ({named})",
             hint=f"rerun with the baseline's settings ({' '.join(flags)}), or record a new baseline with --update",

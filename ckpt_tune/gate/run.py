@@ -3,6 +3,12 @@
 `run_check` is what `ckpt-tune check` does; `assert_peak_within` is the same gate as a pytest
 assertion. torch is imported only where a step is measured (the imports inside the functions below),
 so `import ckpt_tune` and loading or comparing baselines stay light.
+
+A sharded run (`world_size` > 1, `shard`) is recorded as rank 0 under the real engine with a fake
+process group (measure/sharded.py; on the CPU or under fake tensors), sharded per the plan's shard
+units or else the planner's blocks, as `search` shards it. Without `world_size`/`shard`, a check
+records at the baseline's own (a baseline recorded at world size 8 is compared at world size 8); given
+and different from the baseline's, they are settings that differ (exit 1), like any other.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -51,11 +58,15 @@ def run_check(
     batch_size: int = 8,
     settings: Settings | None = None,
     plan: str | Path | Plan | Sequence[str] | None = None,
+    world_size: int | None = None,
+    shard: str | None = None,
 ) -> CheckResult:
     """What `ckpt-tune check` does. Records a baseline when there is none (or `update`), else compares.
 
-    Settings that differ from the baseline's are found before anything is measured (status
-    "settings-differ"). Errors while measuring raise CkptTuneError; a corrupt baseline raises BaselineError.
+    `world_size`/`shard`: a sharded run, recorded as its rank 0; None takes the baseline's (also with
+    `update`), else a sharded plan's, else one device. Settings that differ from the baseline's are
+    found before anything is measured (status "settings-differ"). Errors while measuring raise
+    CkptTuneError; a corrupt baseline raises BaselineError.
     """
     # measure.session and measure.device import torch: here, not at the top (see the module docstring)
     from ckpt_tune.measure import session
@@ -69,6 +80,13 @@ def run_check(
     checkpoint, plan_obj = _plan_names(plan)
     device = resolve_device(settings.device)
     hf = settings.hf_config is not None
+    old: Baseline | None = None
+    if update:
+        with contextlib.suppress(BaselineError):  # a broken file is what --update is for
+            old = load_baseline(path) if path.exists() else None
+    elif path.exists():
+        old = load_baseline(path)
+    n, stage = resolve_sharding(world_size, shard, old, plan_obj)
     wanted = CheckSettings(
         batch_size,
         settings.precision,
@@ -77,14 +95,11 @@ def run_check(
         checkpoint,
         settings.seq_len if hf else None,
         settings.attn if hf else None,
+        n,
+        stage,
     )
-    warnings = _plan_warnings(plan_obj, wanted)
-    old: Baseline | None = None
-    if update:
-        with contextlib.suppress(BaselineError):  # a broken file is what --update is for
-            old = load_baseline(path) if path.exists() else None
-    elif path.exists():
-        old = load_baseline(path)
+    plan_warnings = _plan_warnings(plan_obj, wanted)
+    if old is not None and not update:
         diff = settings_diff(old.settings, wanted)
         if diff:
             return CheckResult(
@@ -98,23 +113,20 @@ def run_check(
                 limit_bytes=None,
                 baseline_reserved_bytes=old.reserved_bytes,
                 settings_diff=diff,
-                warnings=tuple(warnings),
+                warnings=tuple(plan_warnings),
                 baseline_path=str(path),
                 baseline_created=old.created,
             )
     prof = _measure(
-        lambda: session.profile(
-            target,
-            batch_size=batch_size,
-            settings=replace(settings, device=device),
-            checkpoint=checkpoint,
-            scaling=False,
-        )
+        lambda: _profile(target, batch_size, replace(settings, device=device), checkpoint, n, stage, plan_obj)
     )
-    measured = settings_of(prof, checkpoint, wanted.seq_len, wanted.attn)
+    measured = settings_of(prof, checkpoint, wanted.seq_len, wanted.attn, n, stage)
+    plan_warnings += _sharded_warnings(n, stage)
     if old is not None and not update:
         res = compare(old, prof, tol, rtol, measured)
-        return replace(res, warnings=res.warnings + tuple(warnings), baseline_path=str(path))
+        if not res.modules and res.status != "regressed":  # no module figure to doubt
+            plan_warnings = [w for w in plan_warnings if w != SHARDED_MODULES]
+        return replace(res, warnings=res.warnings + tuple(plan_warnings), baseline_path=str(path))
     new = baseline_from_profile(prof, measured)
     write_baseline(new, path)
     res = compare(old, prof, tol, rtol, measured) if old is not None else first_result(new, tol, rtol)
@@ -123,9 +135,83 @@ def run_check(
         status="written",
         recorded=new,
         reasons=(),
-        warnings=res.warnings + tuple(warnings),
+        warnings=res.warnings + tuple(plan_warnings),
         baseline_path=str(path),
     )
+
+
+def resolve_sharding(
+    world_size: int | None, shard: str | None, baseline: Baseline | None = None, plan: Plan | None = None
+) -> tuple[int, str]:
+    """The (world_size, shard) a check records at: each one given, else the baseline's (a check, or an
+    --update, records like with like), else a sharded plan's, else one device; the pair checked together."""
+    from ckpt_tune.tune.sharding import check_shard
+
+    source: CheckSettings | Plan | None = baseline.settings if baseline is not None else plan
+    if source is not None and source.world_size > 1:
+        if world_size is None:
+            world_size = source.world_size
+        if shard is None and world_size > 1:
+            shard = source.shard
+    return check_shard(world_size, shard)
+
+
+# under fully_shard, autograd saves the gathered (unsharded) weights of a unit for its backward, and the
+# runner attributes them to modules as saved activations by storage pointer, which FSDP2's freed and
+# re-gathered storages make vary run to run (measure/runner.py _Instrument): the peak is exact
+SHARDED_MODULES = (
+    "under fully_shard the per-module saved bytes include gathered weights that autograd saves, and vary "
+    "between runs of the same code; the gate is the peak, which does not"
+)
+
+
+def _sharded_warnings(world_size: int, shard: str) -> list[str]:
+    return [SHARDED_MODULES] if world_size > 1 and shard != "zero1" else []
+
+
+# FSDP2 warns when the root module returns a view (an in-place op on it in the user's loop would skip a
+# hook): advice for the user's training loop, not about the step recorded here, where the loss takes it
+FSDP_VIEW_WARNING = "FSDP2-wrapped module .* returned a view tensor"
+
+
+def _profile(
+    target: str | None,
+    batch_size: int,
+    settings: Settings,
+    checkpoint: tuple[str, ...],
+    world_size: int = 1,
+    shard: str = "none",
+    plan: Plan | None = None,
+) -> StepProfile:
+    """The step's profile: one device's (session.profile), or rank 0's of a sharded run, recorded under
+    the real engine with the plan's shard units (or the planner's blocks)."""
+    from ckpt_tune.measure import session
+
+    if world_size == 1:
+        return session.profile(target, batch_size=batch_size, settings=settings, checkpoint=checkpoint, scaling=False)
+    from ckpt_tune.measure.device import resolve_device
+    from ckpt_tune.measure.profiler import profile_model
+    from ckpt_tune.tune.candidates import find_blocks
+
+    device = resolve_device(settings.device)
+    if not session.sharded_engine(device, world_size):
+        raise CkptTuneError(
+            f"a {shard} run over {world_size} ranks is recorded on the CPU or under fake tensors, not on {device}: "
+            "its rank 0 runs under the real engine with a fake process group",
+            "use --device cpu (or --device meta for a step larger than this machine's RAM)",
+        )
+    units = plan.shard_units if plan is not None and plan.shard == shard and plan.shard_units else None
+    t = session.load(target, settings)
+    model, runner, step = session.build_runner(
+        t, settings, world_size, shard, units_of=(lambda _m: units) if units else find_blocks
+    )
+    with session.user_errors("profiling"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=FSDP_VIEW_WARNING, category=UserWarning)
+        prof = profile_model(
+            model, runner.batch_fn, runner.loss_fn, batch_size=batch_size, settings=step, target=t.spec,
+            scaling=False, checkpoint=checkpoint, runner=runner,
+        )
+    return replace(prof, measured_by=f"{prof.measured_by}; rank 0 of {world_size} under {shard} (a fake process group)")
 
 
 def _plan_names(plan: str | Path | Plan | Sequence[str] | None) -> tuple[tuple[str, ...], Plan | None]:
@@ -186,6 +272,8 @@ def assert_peak_within(
     plan: str | Path | Plan | Sequence[str] | None = None,
     reserved_tolerance: str | float = "10%",
     update: bool | None = None,
+    world_size: int | None = None,
+    shard: str | None = None,
 ) -> CheckResult:
     """Measure one training iteration and assert its peak is within `tolerance` of `baseline`.
 
@@ -197,6 +285,9 @@ def assert_peak_within(
     baseline that was never committed cannot pass in CI; `update=True` (or the environment variable
     CKPT_TUNE_UPDATE_BASELINES=1) records a new one and passes. Raises AssertionError with the numbers
     on a regression, BaselineError when the settings differ or the file is broken. Returns the result.
+
+    `world_size`/`shard`: rank 0 of a sharded run, recorded under the real engine (CPU or meta);
+    None takes the baseline's (as `ckpt-tune check`), else one device.
     """
     from torch import nn
 
@@ -218,26 +309,32 @@ def assert_peak_within(
                 batch_size=batch_size,
                 settings=settings,
                 plan=plan,
+                world_size=world_size,
+                shard=shard,
             )
             return res if update else _assert(res)
-        checkpoint = _plan_names(plan)[0]
-        prof = _measure(
-            lambda: session.profile(target_or_model, batch_size, settings, checkpoint=checkpoint, scaling=False)
-        )
+        checkpoint, plan_obj = _plan_names(plan)
+        n, stage = resolve_sharding(world_size, shard, baseline, plan_obj)
+        prof = _measure(lambda: _profile(target_or_model, batch_size, settings, checkpoint, n, stage, plan_obj))
     elif isinstance(target_or_model, nn.Module):
         if not callable(make_batch):
             raise TypeError(
                 "assert_peak_within(model, ...) needs make_batch=, a function batch_size -> batch"
             )
-        checkpoint = _plan_names(plan)[0]
+        checkpoint, plan_obj = _plan_names(plan)
+        known = baseline if isinstance(baseline, Baseline) else None
+        if known is None and Path(baseline).exists():
+            with contextlib.suppress(BaselineError):  # a broken file fails where it is compared (or is updated)
+                known = load_baseline(baseline)
+        n, stage = resolve_sharding(world_size, shard, known, plan_obj)
         prof = _profile_module(
-            target_or_model, make_batch, loss_fn, batch_size, device, precision, optimizer, checkpoint
+            target_or_model, make_batch, loss_fn, batch_size, device, precision, optimizer, checkpoint, n, stage
         )
     else:
         raise TypeError(
             f"assert_peak_within takes a target string or an nn.Module, got {type(target_or_model).__name__}"
         )
-    current = settings_of(prof, checkpoint)
+    current = settings_of(prof, checkpoint, world_size=n, shard=stage)
     if isinstance(baseline, Baseline):
         return _assert(compare(baseline, prof, tolerance, reserved_tolerance, current))
     path = Path(baseline)
@@ -275,9 +372,9 @@ def _assert(res: CheckResult) -> CheckResult:
 
 
 def _profile_module(
-    model, make_batch, loss_fn, batch_size, device, precision, optimizer, checkpoint
+    model, make_batch, loss_fn, batch_size, device, precision, optimizer, checkpoint, world_size=1, shard="none"
 ) -> StepProfile:
-    from ckpt_tune.measure import loader
+    from ckpt_tune.measure import loader, session
     from ckpt_tune.measure.device import resolve_device
     from ckpt_tune.measure.profiler import profile_model
     from ckpt_tune.measure.runner import StepSettings
@@ -293,13 +390,32 @@ def _profile_module(
     def loss(m, batch):
         return loss_fn(m, batch) if loss_fn is not None else loader.default_loss(loader.call_model(m, batch))
 
-    return profile_model(
-        model,
-        batch_fn,
-        loss,
-        batch_size=batch_size,
-        settings=StepSettings(dev, precision, optimizer),
-        target=f"<{type(model).__name__}>",
-        scaling=False,
-        checkpoint=checkpoint,
-    )
+    step = StepSettings(dev, precision, optimizer)
+    runner = None
+    if world_size > 1:
+        from ckpt_tune.measure.sharded import ShardedRunner
+        from ckpt_tune.tune.candidates import find_blocks
+
+        if not session.sharded_engine(dev, world_size):
+            raise CkptTuneError(
+                f"a {shard} run over {world_size} ranks is recorded on the CPU or under fake tensors, not on {dev}",
+                'pass device="cpu"',
+            )
+        units = tuple(find_blocks(model))
+        runner = ShardedRunner(model, batch_fn, loss, step, world_size=world_size, shard=shard, units=units)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=FSDP_VIEW_WARNING, category=UserWarning)
+        prof = profile_model(
+            model,
+            batch_fn,
+            loss,
+            batch_size=batch_size,
+            settings=step,
+            target=f"<{type(model).__name__}>",
+            scaling=False,
+            checkpoint=checkpoint,
+            runner=runner,
+        )
+    if world_size > 1:
+        prof = replace(prof, measured_by=f"{prof.measured_by}; rank 0 of {world_size} under {shard} (a fake process group)")
+    return prof
