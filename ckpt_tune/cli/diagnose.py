@@ -50,7 +50,10 @@ def diagnose(
     hf_config: HfConfig = None,
     seq_len: SeqLen = 512,
     attn: Attn = "sdpa",
-    world_size: Annotated[int | None, typer.Option("--world-size", min=1, help="plan per GPU for a sharded run over N GPUs")] = None,
+    world_size: Annotated[
+        int | None,
+        typer.Option("--world-size", min=1, help="per GPU of a sharded run over N GPUs (cpu/meta: rank 0 recorded under the engine)"),
+    ] = None,
     shard: Annotated[str | None, typer.Option(help="zero1 | zero2 | zero3 | fsdp (with --world-size)")] = None,
     lora_rank: Annotated[int, typer.Option("--lora-rank", min=1, help="rank of the LoRA remedy's adapters")] = 8,
     oom_message: Annotated[
@@ -138,7 +141,11 @@ def render_diagnosis(d) -> None:
 
     err = report.err
     b = d.budget
-    per = f"; per GPU of {d.world_size} ({d.shard})" if d.world_size > 1 else ""
+    per = ""
+    if d.world_size > 1:
+        how = (f"rank 0 recorded under {d.shard} (a fake process group, measure/sharded.py)" if d.sharding == "measured"
+               else "one device's step divided by arithmetic (tune/sharding.py)")
+        per = f"; per GPU of {d.world_size} ({d.shard}): {how}"
     err.print(
         escape(f"{d.target}: batch {d.batch_size}, {d.device}, {d.precision}, optimizer {d.optimizer}{per}")
         + f"\nbudget: {escape(b.source)}; usable {format_bytes(b.usable_bytes)}"

@@ -63,6 +63,11 @@ def _ticks(top: float, n: int = 5) -> list[float]:
     return [i * step for i in range(int(top // step) + 1)]
 
 
+def _per_gpu_curve(d: Diagnosis) -> bool:
+    """The recorded timeline is one GPU's: one device, or rank 0 recorded under the sharding engine."""
+    return d.world_size == 1 or d.sharding == "measured"
+
+
 def timeline_svg(d: Diagnosis, width: int = 1060, height: int = 380) -> str:
     """Live bytes over the step; phase bands; the budget and weights + optimizer lines; the peak, annotated."""
     prof = d.profile
@@ -71,7 +76,7 @@ def timeline_svg(d: Diagnosis, width: int = 1060, height: int = 380) -> str:
         return '<p class="muted">no timeline recorded</p>'
     ph = prof.phases or {}
     t_end = max(pts[-1][0], ph.get("step", 0.0)) or 1.0
-    peak = d.peak if d.world_size == 1 else None
+    peak = d.peak if _per_gpu_curve(d) else None
     peak_ms = peak.ms if peak else max(pts, key=lambda p: p[1])[0]
     peak_bytes = peak.total if peak else prof.peak_bytes
     budget = d.budget.usable_bytes
@@ -123,7 +128,7 @@ def timeline_svg(d: Diagnosis, width: int = 1060, height: int = 380) -> str:
 
 def _callout(d: Diagnosis, px: float, py: float, x0: float, x1: float, y0: float, peak_bytes: int) -> str:
     """A box beside the peak with what is live then."""
-    if d.world_size == 1:
+    if _per_gpu_curve(d):
         p = d.peak
         parts = {k: getattr(p, k) for k in COLORS}
         where = p.where
@@ -162,7 +167,7 @@ def stacked_bar_svg(parts: dict[str, int], width: int = 500, height: int = 26) -
 def module_bars_svg(d: Diagnosis, top: int = 12, width: int = 1060) -> str:
     """Saved activations by module (own bytes), with the part still live at the peak in a darker shade."""
     prof = d.profile
-    live = dict(d.peak.modules) if d.world_size == 1 else {}
+    live = dict(d.peak.modules) if _per_gpu_curve(d) else {}
     rows = [(m.name or "(root)", m.activation_bytes, live.get(m.name, 0)) for m in prof.modules if m.activation_bytes]
     if prof.unattributed_activation_bytes:  # the loss and code outside every module: often the largest
         rows.append((OUTSIDE, prof.unattributed_activation_bytes, live.get("", 0)))
@@ -246,8 +251,11 @@ def render_html(d: Diagnosis | None, oom: OomDiagnosis | None = None) -> str:
             body.append(f"<div class='verdict warn'>even {escape(d.floor.title)} the peak is {_fmt(d.floor.peak_bytes)}</div>")
         body.append("<h2>Memory timeline of one step</h2><div class='card'>")
         body.append(timeline_svg(d))
-        if d.world_size > 1:
+        if d.world_size > 1 and not _per_gpu_curve(d):
             body.append("<div class='muted'>The curve is the step on one device without sharding; the budget and the tables are per GPU.</div>")
+        elif d.world_size > 1:
+            body.append(f"<div class='muted'>The curve is rank 0's step of {d.world_size}, recorded under {escape(d.shard)} "
+                        "(a fake process group); the budget and the tables are per GPU.</div>")
         body.append(f"<div class='muted'>{escape(b.source)}; measured by {escape(d.profile.measured_by)}</div></div>")
         p = d.peak
         parts = {k: getattr(p, k) for k in COLORS}

@@ -6,10 +6,14 @@
 
 One attributed recorded step gives the moments (sharding.Moment: what is live at the largest point of
 start, forward, backward and optimizer step). Each remedy is then either measured (checkpoint plans,
-smaller micro-batches, bf16 autocast: recorded steps with the remedy applied) or predicted by arithmetic
-on measured moments (8-bit optimizer, LoRA, activation offload, sharding: sharding.py); `Remedy.basis`
-says which. Ranking: what fits first; then what keeps what is trained, fewer GPUs, lower accuracy risk,
-less extra time (`rank_remedies`).
+smaller micro-batches, bf16 autocast, LoRA, ZeRO-1/2/3: recorded steps with the remedy applied) or
+predicted by arithmetic on measured moments (8-bit optimizer, activation offload; sharding on a CUDA
+device: tune/sharding.py); `Remedy.basis` says which. Ranking: what fits first; then what keeps what is
+trained, fewer GPUs, lower accuracy risk, less extra time (`rank_remedies`).
+
+With `world_size` > 1 on the CPU or under fake tensors (`--device meta`) every step is rank 0's,
+recorded under PyTorch's own sharding engine (measure/sharded.py; `Diagnosis.sharding` "measured");
+on a CUDA device one device's step is divided by arithmetic ("arithmetic").
 
 One module per stage: study.py records the steps and plans checkpointing on them (`Study`); remedies.py
 builds each remedy from a study; lora.py is the LoRA adapter the LoRA remedy records with; result.py
@@ -18,6 +22,7 @@ holds the answer (`Diagnosis`, `Remedy`), its ranking and its texts; oom.py read
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -44,6 +49,7 @@ from ckpt_tune.diagnosis.study import Study
 from ckpt_tune.errors import CkptTuneError
 from ckpt_tune.measure import session
 from ckpt_tune.measure.device import parse_budget, resolve_device
+from ckpt_tune.tune.candidates import find_blocks
 from ckpt_tune.tune.sharding import check_shard
 
 __all__ = [
@@ -85,7 +91,8 @@ def diagnose(
     t = session.load(target, settings)
     device = resolve_device(settings.device)
     budget = parse_budget(vram, device, margin)
-    model, runner, step = session.build_runner(t, settings)
+    # sharded: rank 0 under the real engine where it runs, sharded per the planner's blocks (docs/design.md §6)
+    model, runner, step = session.build_runner(t, settings, n, shard, units_of=find_blocks)
     study = Study(model, runner, step, t.spec, batch_size, budget, n, shard, lora_rank, progress)
     try:
         _run(study)
@@ -98,11 +105,18 @@ def diagnose(
     return study.result()
 
 
+# FSDP2 warns when the root module returns a view (an in-place op on it in the user's loop would skip a
+# hook): advice for the user's training loop, not about the step recorded here, where the loss takes it
+FSDP_VIEW_WARNING = "FSDP2-wrapped module .* returned a view tensor"
+
+
 def _run(study: Study) -> None:
-    with session.user_errors("diagnosing"):
+    with session.user_errors("diagnosing"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=FSDP_VIEW_WARNING, category=UserWarning)
         with study.recording():
             study.start()
             if not study.fits:
                 remedies.single_gpu_remedies(study)
         if not study.fits:  # remedies that run the step under other settings, each with its own runner
             study.add(remedies.mixed_precision(study), remedies.lora(study))
+            remedies.sharded_runs(study)

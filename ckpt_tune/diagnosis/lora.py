@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
-import torch
 from torch import nn
 
 from ckpt_tune.measure.profiler import StepProfile
+from ckpt_tune.measure.runner import unique_bytes
 from ckpt_tune.tune.sharding import LoraPlan
 
 WEIGHT_LAYERS = (nn.Linear, nn.modules.conv._ConvNd, nn.Embedding)
@@ -94,10 +94,3 @@ def lora_plan(model: nn.Module, prof: StepProfile, units: tuple[str, ...], rank:
     trainable = unique_bytes(p for p in model.parameters() if p.requires_grad)
     return LoraPlan(rank, names, frozen, adapter_bytes, tuple(saves), branch, trainable, prof.optimizer_bytes)
 
-
-def unique_bytes(params: Iterable[torch.Tensor]) -> int:
-    """Bytes of the storages behind `params`, each storage once (tied weights are counted once)."""
-    seen = {}
-    for p in params:
-        seen[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
-    return sum(seen.values())

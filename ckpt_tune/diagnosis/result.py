@@ -45,13 +45,16 @@ class Diagnosis:
     budget: Budget
     world_size: int
     shard: str
-    profile: StepProfile  # the measured step on one device (no sharding applied)
+    profile: StepProfile  # the recorded step: rank 0's when `sharding` is "measured", else one device's
     moments: tuple[Moment, ...]  # per GPU
     states: StaticBytes  # weights, gradients, optimizer state per GPU
     floor: Remedy | None  # the smallest peak checkpointing reaches at batch 1 (per GPU), measured
     remedies: tuple[Remedy, ...]  # ranked
     units: tuple[str, ...]  # checkpoint candidates, in execution order
     notes: tuple[str, ...] = ()
+    # vocab.SHARDINGS, with world_size > 1: "measured" (rank 0 recorded under the sharding engine, a fake
+    # process group) or "arithmetic" (one device's step divided, tune/sharding.py); "none" on one GPU
+    sharding: str = "none"
 
     @property
     def peak(self) -> Moment:
@@ -71,7 +74,7 @@ class Diagnosis:
         return self.states_bytes > self.budget.usable_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in ("target", "device", "precision", "optimizer", "batch_size", "world_size", "shard")}
+        d = {k: getattr(self, k) for k in ("target", "device", "precision", "optimizer", "batch_size", "world_size", "shard", "sharding")}
         d.update(
             budget=asdict(self.budget),
             fits=self.fits,

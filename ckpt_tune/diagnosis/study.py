@@ -1,22 +1,28 @@
 """`Study`: the recorded steps of one diagnosis and the checkpoint plans found on them.
 
-Steps are recorded once per (batch size, checkpointed blocks) and cached as moments (sharding.Moment),
-kept as measured on one device; `per_gpu` applies the sharding the user asked for. The remedies
+Steps are recorded once per (batch size, checkpointed blocks) and cached as moments (sharding.Moment).
+`sharding` says what a moment is under `--world-size N --shard S`: "measured" when the study's runner
+records rank 0 under PyTorch's own engine (measure/sharded.py; on the CPU and under fake tensors), so a
+moment is already one GPU's and `per_gpu` leaves it alone; "arithmetic" when it cannot (a CUDA device),
+where moments are one device's and `per_gpu` divides them (tune/sharding.py). The remedies
 (remedies.py) are built from what a study records and plans; `result` assembles the Diagnosis.
+
+One fake process group exists per process: a sharded runner (`fresh_runner`) is never entered while the
+study's own runner is open.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 
 from torch import nn
 
-from ckpt_tune.diagnosis.lora import unique_bytes
 from ckpt_tune.diagnosis.result import Diagnosis, Remedy, rank_remedies
 from ckpt_tune.measure.device import Budget
 from ckpt_tune.measure.profiler import StepProfile, build_profile, module_records
-from ckpt_tune.measure.runner import StepRunner, StepSettings
+from ckpt_tune.measure.runner import StepRunner, StepSettings, unique_bytes
 from ckpt_tune.plan.entry import Entry
 from ckpt_tune.tune.memory_model import Terms
 from ckpt_tune.tune.moments import moments_of
@@ -38,8 +44,8 @@ Names = tuple[Entry, ...]  # a checkpoint plan: its entries, in execution order
 
 class Study:
     """The recorded steps of one diagnosis (cached per batch size and checkpointed blocks) and the
-    remedies built from them. Moments are kept as measured (one device); `per_gpu` applies the sharding
-    the user asked for."""
+    remedies built from them. Moments are kept as recorded: rank 0's under a sharded runner
+    (`sharding` "measured"), else one device's, which `per_gpu` divides by arithmetic."""
 
     def __init__(
         self,
@@ -57,6 +63,10 @@ class Study:
         self.model, self.runner, self.step, self.target = model, runner, step, target
         self.b, self.budget, self.usable = batch_size, budget, budget.usable_bytes
         self.n, self.shard, self.lora_rank = n, shard, lora_rank
+        # vocab.SHARDINGS: how a per-GPU figure is had (see the module docstring)
+        self.sharding = "none" if n == 1 else "measured" if getattr(runner, "world_size", 1) == n else "arithmetic"
+        # the sharded runner's shard units (session.build_runner's, the planner's blocks)
+        self.shard_units: tuple[str, ...] | None = getattr(runner, "units", None) if self.sharding == "measured" else None
         self.say: Callable[[str], None] = progress or (lambda msg: None)
         # set by start(), from the first recorded step
         self.prof: StepProfile | None = None
@@ -71,6 +81,9 @@ class Study:
         self.remedies: list[Remedy] = []
         self.notes: list[str] = []
         self.floor: Remedy | None = None
+        # sharding stages chosen by arithmetic while the runner is open, recorded after it closed
+        # (remedies.sharding, remedies.sharded_runs)
+        self.shard_choices: list = []
         self._min_plan: tuple[Names, float] | None = None
         self._recording = False  # True while self.runner is open
 
@@ -103,7 +116,36 @@ class Study:
         return self.raw[key]
 
     def per_gpu(self, m: Moment) -> Moment:
+        """One GPU's moment: a recorded rank-0 moment as it is, one device's divided by arithmetic."""
+        if self.sharding != "arithmetic":
+            return m
         return shard_moment(m, self.n, self.shard, self.gathered)
+
+    def fresh_runner(self, settings: StepSettings | None = None, world_size: int = 1, shard: str = "none") -> StepRunner:
+        """A new runner for the study's model under other `settings`, to enter once the study's own runner
+        is closed: sharded like the study's when that one records rank 0, or as asked (`world_size` > 1,
+        `shard`), else a plain one. The two share the model, and one fake process group can exist per
+        process: entering one while the study's runner is open is refused here."""
+        if self._recording:
+            raise RuntimeError("diagnose: a second runner on the model while the study's own runner is open")
+        settings = settings or self.step
+        if world_size == 1 and self.sharding == "measured":
+            world_size, shard = self.n, self.shard
+        batch_fn, loss_fn = self.runner.batch_fn, self.runner.loss_fn
+        if world_size > 1:
+            from ckpt_tune.measure.sharded import ShardedRunner
+
+            return ShardedRunner(self.model, batch_fn, loss_fn, settings, world_size=world_size, shard=shard, units=self.shard_units_of())
+        return StepRunner(self.model, batch_fn, loss_fn, settings)
+
+    def shard_units_of(self) -> tuple[str, ...]:
+        """Shard units of a sharded runner of this model: the study's runner's, else the planner's blocks
+        (as session.build_runner shards them for `search` and `diagnose`)."""
+        if self.shard_units is not None:
+            return self.shard_units
+        from ckpt_tune.tune.candidates import find_blocks
+
+        return tuple(find_blocks(self.model))
 
     def peak(self, raws: Iterable[Moment], fn: Callable[[Moment], Moment] = lambda m: m) -> Moment:
         return peak_of(self.per_gpu(fn(m)) for m in raws)
@@ -115,21 +157,37 @@ class Study:
         m = self.runner.measure(b, attribute=True)
         timing = self.runner.time_step(b, repeats=3)
         self.prof = build_profile(m, module_records(self.model, m, timing), None, timing, self.step, self.target)
+        if self.sharding == "measured":
+            engine = "ZeroRedundancyOptimizer" if self.shard == "zero1" else "FSDP2 fully_shard"
+            self.prof = replace(self.prof, measured_by=f"{self.prof.measured_by}; rank 0 of {self.n} under {self.shard} "
+                                f"({engine}, a fake process group: measure/sharded.py)")
         self.raw[(b, ())] = moments_of(m)
-        self.searcher = Searcher(self.runner, progress=self.say)
+        # a sharded runner's steps are rank 0's already: the searcher plans on them as they are
+        n, shard = (self.n, self.shard) if self.sharding == "measured" else (1, "none")
+        self.searcher = Searcher(self.runner, progress=self.say, world_size=n, shard=shard)
         if self.searcher.units:
             self.searcher.order_units(1)
         self.units = self.searcher.units
         rec = {r.name: r for r in self.prof.modules}
         leaves = [n for n, mod in self.model.named_modules() if next(mod.children(), None) is None]
-        # the all-gathered working set of ZeRO-3/FSDP: one wrapped block, or one layer without blocks
+        # the all-gathered working set of ZeRO-3/FSDP for the arithmetic: one wrapped block, or one layer
+        # without blocks (a recorded sharded step holds its real all-gather buffers in its timeline)
         self.gathered = max([rec[u].param_bytes for u in self.units if u in rec] or [rec[n].param_bytes for n in leaves if n in rec] or [0])
         # one autograd node's parameter gradients (a layer's weight and bias), in flight during accumulation
+        # (this rank's shards under a sharded runner)
         self.in_flight = max(
             [unique_bytes(p for p in mod.parameters(recurse=False) if p.requires_grad) for mod in self.model.modules()] or [0]
         )
-        self.states = static_per_gpu(self.prof.param_bytes, self.prof.grad_bytes, self.prof.optimizer_bytes, self.n, self.shard, self.gathered)
+        if self.sharding == "measured":  # rank 0's own shards; its all-gather buffers are in the moments
+            self.states = StaticBytes(self.prof.param_bytes, self.prof.grad_bytes, self.prof.optimizer_bytes)
+        else:
+            self.states = static_per_gpu(self.prof.param_bytes, self.prof.grad_bytes, self.prof.optimizer_bytes, self.n, self.shard, self.gathered)
         self.base = self.peak(self.raw[(b, ())])
+        if self.sharding == "measured" and self.shard != "zero1":
+            self.notes.append(
+                "under fully_shard the gathered weights that autograd saves for a block's backward are counted as saved "
+                "activations (zero2 keeps them from forward to backward); every total is rank 0's recorded bytes"
+            )
         if not self.units:
             self.notes.append("no repeated blocks (children of a ModuleList/Sequential) found: checkpointing has no candidates")
 
@@ -137,7 +195,7 @@ class Study:
         p = self.prof
         return Diagnosis(
             target=self.target, device=p.device, precision=p.precision, optimizer=p.optimizer, batch_size=self.b,
-            budget=self.budget, world_size=self.n, shard=self.shard, profile=p,
+            budget=self.budget, world_size=self.n, shard=self.shard, sharding=self.sharding, profile=p,
             moments=tuple(self.per_gpu(m) for m in self.raw[(self.b, ())]), states=self.states, floor=self.floor,
             remedies=rank_remedies(self.remedies), units=self.units, notes=tuple(self.notes),
         )
@@ -145,7 +203,7 @@ class Study:
     # -- checkpoint plans -------------------------------------------------------------------------
     def terms(self, b: int) -> Terms:
         t = self.searcher.terms(b)
-        if self.n > 1:
+        if self.sharding == "arithmetic":
             t = per_gpu_terms(t, self.prof.param_bytes, self.prof.optimizer_bytes, self.n, self.shard, self.gathered)
         return t
 
