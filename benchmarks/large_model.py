@@ -68,6 +68,7 @@ def run(checkout: Path, args: list[str], timeout: int) -> dict:
         predicted_recompute_fraction=plan["predicted_recompute_fraction"],
         predicted_peak_bytes=plan["predicted_peak_bytes"],
         verified_peak_bytes=plan["verified_peak_bytes"],
+        sharding=plan.get("sharding", "none" if plan.get("world_size", 1) == 1 else "arithmetic"),
     )
     return out
 
@@ -95,26 +96,33 @@ def main() -> None:
     ap.add_argument("--before", default="4a75528", help="the commit before issue 14's work")
     ap.add_argument("--only", nargs="*", default=list(COMMANDS))
     ap.add_argument("--timeout", type=int, default=1200)
-    ap.add_argument("--resume", action="store_true", help="keep the rows of results/large_model.json, run the others")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the rows of results/large_model.json that --only does not name, run the others")
+    ap.add_argument("--no-before", action="store_true", help="run this checkout only (rows say 'not compared')")
     a = ap.parse_args()
     tree = Path("/tmp/i14/before")
-    if not tree.exists():
+    if not a.no_before and not tree.exists():
         subprocess.run(["git", "worktree", "add", "--detach", str(tree), a.before], cwd=ROOT, check=True, capture_output=True)
     rows: dict = {}
     saved = ROOT / "benchmarks" / "results" / "large_model.json"
     if a.resume and saved.exists():
-        rows = json.loads(saved.read_text())["rows"]
+        rows = {k: v for k, v in json.loads(saved.read_text())["rows"].items() if k not in a.only}
     for name in a.only:
-        if name in rows:
-            continue
         args = COMMANDS[name]
         after = run(ROOT, args, a.timeout)
         print(name, "after", after, file=sys.stderr, flush=True)
-        before = run(tree, args, a.timeout)
-        print(name, "before", before, file=sys.stderr, flush=True)
-        rows[name] = {"args": args, "before": before, "after": after, "verdict": verdict(before, after)}
+        if a.no_before:
+            rows[name] = {"args": args, "before": {}, "after": after, "verdict": "not compared (--no-before)"}
+        else:
+            before = run(tree, args, a.timeout)
+            print(name, "before", before, file=sys.stderr, flush=True)
+            rows[name] = {"args": args, "before": before, "after": after, "verdict": verdict(before, after)}
         report(rows, a.before)  # after every command: a long run keeps what it measured
     report(rows, a.before)
+
+
+def _gib(x: dict, key: str) -> str:
+    return f"{x[key] / 2**30:.2f}" if x.get(key) is not None else "-"
 
 
 def report(rows: dict, before_commit: str) -> None:
@@ -123,16 +131,20 @@ def report(rows: dict, before_commit: str) -> None:
         f"Rule: where both find a plan, this checkout's is the same batch with the same or lower predicted "
         f"recompute (or a larger batch); where {a_before} exits 3, so does this checkout.",
         "",
-        "| command | checkout | exit | wall s | max RSS MiB | recorded steps | batch | checkpoints | recompute | verdict |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| command | checkout | exit | wall s | max RSS MiB | recorded steps | batch | checkpoints | recompute | "
+        "predicted / verified GiB per GPU | sharding | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in rows.items():
         for label in ("before", "after"):
             x = r[label]
+            if not x:
+                continue
             lines.append(
                 f"| {name} | {a_before if label == 'before' else 'this'} | {x.get('exit_code')} | {x.get('wall_s')} | "
                 f"{x.get('max_rss_mib')} | {x.get('recorded_steps', '-')} | {x.get('batch_size', '-')} | "
                 f"{len(x['checkpoint']) if 'checkpoint' in x else '-'} | {x.get('predicted_recompute_fraction', '-')} | "
+                f"{_gib(x, 'predicted_peak_bytes')} / {_gib(x, 'verified_peak_bytes')} | {x.get('sharding', '-')} | "
                 f"{r['verdict'] if label == 'after' else ''} |"
             )
     for name, r in rows.items():
