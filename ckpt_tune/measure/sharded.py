@@ -351,11 +351,12 @@ class ShardedRunner(StepRunner):
             pg.__exit__(None, None, None)
 
     def measure(self, *args, **kwargs) -> Measurement:
-        with fake_fsdp_recording() if self.fake else contextlib.nullcontext(), warnings.catch_warnings():
-            # FSDP2's advice on a model whose output is a view (an in-place op on it would skip a hook):
-            # about the user's later code, not this step, and repeated on every recorded step
-            warnings.filterwarnings("ignore", message="FSDP2-wrapped module", category=UserWarning)
+        with fake_fsdp_recording() if self.fake else contextlib.nullcontext(), _quiet():
             return super().measure(*args, **kwargs)
+
+    def time_step(self, *args, **kwargs):
+        with _quiet():
+            return super().time_step(*args, **kwargs)
 
     def _autocast(self):
         if self.engine == "fully_shard":  # MixedPrecisionPolicy casts, not autocast
@@ -372,6 +373,15 @@ class ShardedRunner(StepRunner):
             opt = unique_bytes(local_tensor(t) for st in inner.state.values() for t in st.values() if isinstance(t, torch.Tensor))
         grads = unique_bytes(local_tensor(p.grad) for p in m.parameters() if p.grad is not None)
         return param, opt, grads
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """FSDP2's advice on a model whose output is a view (an in-place op on it would skip a hook) is about
+    the user's later code, not the step recorded, and would be repeated on every step."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module", category=UserWarning)
+        yield
 
 
 # -- what FakeRecorder (measure/fake.py) does not see of FSDP2, until it does -------------------------
