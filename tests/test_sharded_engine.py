@@ -175,3 +175,20 @@ def test_two_gloo_processes_agree_with_the_fake_process_group(shard, torchrun_pe
         assert got["step"] == fake_pg_peaks[(rank, shard)], f"rank {rank}: {got}"
         if shard == "zero1":
             assert got["raw"] == got["step"]
+
+
+@pytest.mark.parametrize("shard", ["zero2", "zero3"])
+def test_gathered_weights_are_not_attributed_as_activations(shard):
+    """The bytes a step saves for backward, by module, are the same under fully_shard as without it:
+    the weights FSDP2 gathers (and autograd saves) count as parameters, whichever storage they land in."""
+
+    def saved(stage: str) -> dict:
+        with ShardedRunner(w.build(), w.make_batch, w.loss_fn, StepSettings(device="cpu"), world_size=2,
+                           shard=stage, units=w.UNITS) as r:
+            m = r.measure(w.BATCH, units=w.UNITS, attribute=True)
+        out: dict = {}
+        for nbytes, mod in m.saved.values():
+            out[mod] = out.get(mod, 0) + nbytes
+        return out
+
+    assert saved(shard) == saved("zero1")

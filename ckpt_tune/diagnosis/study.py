@@ -183,11 +183,6 @@ class Study:
         else:
             self.states = static_per_gpu(self.prof.param_bytes, self.prof.grad_bytes, self.prof.optimizer_bytes, self.n, self.shard, self.gathered)
         self.base = self.peak(self.raw[(b, ())])
-        if self.sharding == "measured" and self.shard != "zero1":
-            self.notes.append(
-                "under fully_shard the gathered weights that autograd saves for a block's backward are counted as saved "
-                "activations (zero2 keeps them from forward to backward); every total is rank 0's recorded bytes"
-            )
         if not self.units:
             self.notes.append("no repeated blocks (children of a ModuleList/Sequential) found: checkpointing has no candidates")
 

@@ -121,11 +121,8 @@ def run_check(
         lambda: _profile(target, batch_size, replace(settings, device=device), checkpoint, n, stage, plan_obj)
     )
     measured = settings_of(prof, checkpoint, wanted.seq_len, wanted.attn, n, stage)
-    plan_warnings += _sharded_warnings(n, stage)
     if old is not None and not update:
         res = compare(old, prof, tol, rtol, measured)
-        if not res.modules and res.status != "regressed":  # no module figure to doubt
-            plan_warnings = [w for w in plan_warnings if w != SHARDED_MODULES]
         return replace(res, warnings=res.warnings + tuple(plan_warnings), baseline_path=str(path))
     new = baseline_from_profile(prof, measured)
     write_baseline(new, path)
@@ -154,19 +151,6 @@ def resolve_sharding(
         if shard is None and world_size > 1:
             shard = source.shard
     return check_shard(world_size, shard)
-
-
-# under fully_shard, autograd saves the gathered (unsharded) weights of a unit for its backward, and the
-# runner attributes them to modules as saved activations by storage pointer, which FSDP2's freed and
-# re-gathered storages make vary run to run (measure/runner.py _Instrument): the peak is exact
-SHARDED_MODULES = (
-    "under fully_shard the per-module saved bytes include gathered weights that autograd saves, and vary "
-    "between runs of the same code; the gate is the peak, which does not"
-)
-
-
-def _sharded_warnings(world_size: int, shard: str) -> list[str]:
-    return [SHARDED_MODULES] if world_size > 1 and shard != "zero1" else []
 
 
 # FSDP2 warns when the root module returns a view (an in-place op on it in the user's loop would skip a

@@ -400,6 +400,7 @@ class _Instrument:
         self._last_out: Any = None  # (weak reference, version) of the last marked module's first output
         self._hooks_ctx = None
         self._param_ptrs = {fake.fake_storage_key(local_tensor(p)) for p in model.parameters()}
+        self._gathered: dict[str, set[int]] = {}  # unit -> its parameters' storages gathered by FSDP2
 
     def install(self) -> None:
         for mod, name in self.names.items():
@@ -434,6 +435,11 @@ class _Instrument:
             self.stack.append(name)
             if self.attribute:
                 self.module_io[name] = (unique_bytes(iter_tensors((args, kwargs))), 0)
+                # FSDP2 has just gathered this unit's parameters (its pre-hook runs first): weights, not
+                # activations, while its forward runs; the storage is freed or reused after
+                gathered = {fake.fake_storage_key(local_tensor(p)) for p in mod.parameters()} - self._param_ptrs
+                self._gathered[name] = gathered
+                self._param_ptrs |= gathered
 
         return hook
 
@@ -446,6 +452,7 @@ class _Instrument:
             mark(f"f<{name}")
             if self.attribute:
                 self.module_io[name] = (self.module_io[name][0], unique_bytes(iter_tensors(out)))
+                self._param_ptrs -= self._gathered.pop(name, set())
             first = next(iter_tensors(out), None)
             self._last_out = (weakref.ref(first), first._version) if first is not None else None
             for t in iter_tensors(out):
