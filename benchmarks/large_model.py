@@ -127,9 +127,11 @@ def _gib(x: dict, key: str) -> str:
 
 def report(rows: dict, before_commit: str) -> None:
     a_before = before_commit
+    compared = any(r["before"] for r in rows.values())
     lines = [
         f"Rule: where both find a plan, this checkout's is the same batch with the same or lower predicted "
-        f"recompute (or a larger batch); where {a_before} exits 3, so does this checkout.",
+        f"recompute (or a larger batch); where {a_before} exits 3, so does this checkout."
+        if compared else "This checkout only (--no-before): no rule applies.",
         "",
         "| command | checkout | exit | wall s | max RSS MiB | recorded steps | batch | checkpoints | recompute | "
         "predicted / verified GiB per GPU | sharding | verdict |",
