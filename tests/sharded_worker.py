@@ -63,6 +63,7 @@ from tests import harness  # noqa: E402
 CFG = {"n_layer": 2, "n_embd": 64, "n_head": 2, "block_size": 33, "vocab_size": 251}
 UNITS = ("blocks.0", "blocks.1")
 BATCH = 2
+PLAN = ("blocks.1",)  # the checkpoint plan the two-process job runs with (applied before sharding)
 STAGES = ("fsdp", "zero2", "zero1")
 
 
@@ -106,10 +107,11 @@ def released_all_gather():
     return ReleasedAllGather()
 
 
-def engine(shard: str, mesh, units=UNITS):
-    """(wrap, make_optimizer) for a stage: fully_shard on each unit and the root (zero3/fsdp: reshard
-    after forward; zero2: not), each with `released_all_gather`, or ZeroRedundancyOptimizer over AdamW
-    (zero1)."""
+def engine(shard: str, mesh, units=UNITS, checkpoint=()):
+    """(wrap, make_optimizer) for a stage: `checkpoint` (a plan's entries) wrapped first, as a user's
+    script applies a plan before sharding; then fully_shard on each unit and the root (zero3/fsdp:
+    reshard after forward; zero2: not), each with `released_all_gather`, or ZeroRedundancyOptimizer
+    over AdamW (zero1)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -117,10 +119,13 @@ def engine(shard: str, mesh, units=UNITS):
         return torch.optim.AdamW(params, lr=0.0)
 
     if shard == "zero1":
-        return None, lambda params: ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=0.0)
+        wrap_plan = (lambda model: harness.wrap_blocks(model, checkpoint)) if checkpoint else None
+        return wrap_plan, lambda params: ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=0.0)
     reshard = shard in ("zero3", "fsdp")
 
     def wrap(model):
+        if checkpoint:
+            harness.wrap_blocks(model, checkpoint)
         sharded = [fully_shard(model.get_submodule(name), mesh=mesh, reshard_after_forward=reshard) for name in units]
         sharded.append(fully_shard(model, mesh=mesh, reshard_after_forward=reshard))
         for module in sharded:
@@ -235,7 +240,7 @@ def main(out: str) -> None:
     mesh = init_device_mesh("cpu", (world,))
     peaks = {}
     for shard in STAGES:
-        wrap, make_opt = engine(shard, mesh)
+        wrap, make_opt = engine(shard, mesh, checkpoint=PLAN)
         peaks[shard] = measured_peaks(build, make_batch, loss_fn, BATCH, wrap, make_opt)
         dist.barrier()
     Path(f"{out}.rank{rank}.json").write_text(json.dumps({"rank": rank, "world_size": world, "peaks": peaks}))

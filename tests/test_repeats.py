@@ -96,8 +96,8 @@ def _full_depth(s: Searcher, b: int):
         s._costs.clear()
 
 
-# the CUDA-sized fake run takes 45 s: make test-heavy
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.heavy), "cpu-fake"])
+# the CUDA-sized fake run and the CPU-rules fake run are make test-heavy; the real CPU run stays
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.heavy), pytest.param("cpu-fake", marks=pytest.mark.heavy)])
 def test_extended_terms_equal_full_depth_terms_to_the_byte(device):
     with _runner("cpu" if device == "cpu" else device.removesuffix("-fake"), Decoder) as runner:
         s = Searcher(runner)

@@ -36,3 +36,21 @@ def test_search_survives_plain_steps_that_do_not_fit_the_device(monkeypatch):
     assert any("times scaled" in n for n in res.notes)
     truth = measured_peak(fx.build, fx.make_batch, fx.loss_fn, res.batch_size, checkpoint=list(res.checkpoint))
     assert res.verified_peak == truth <= budget
+
+
+def test_states_over_the_budget_end_the_search_after_its_first_step():
+    """Weights + gradients + optimizer state alone over the budget: no plan or batch can help, so the
+    search answers after the one step that built them, without probing or timing anything."""
+    import pytest
+
+    from ckpt_tune.errors import NoFitError
+
+    fx = ZOO["mlp_blocks"]
+    with StepRunner(fx.build(), fx.make_batch, fx.loss_fn) as runner:
+        params, opt, _ = runner.state_bytes()
+        s = Searcher(runner)
+        with pytest.raises(NoFitError, match=r"optimizer state alone are .* more than the budget before any activation"):
+            s.search(params + opt)  # the gradients are as large as the parameters: over
+    assert s.runs == 1
+    assert "probe" not in s.stage_seconds
+    assert "timing" not in s.stage_seconds

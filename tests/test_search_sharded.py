@@ -44,7 +44,8 @@ def harness_peak(world_size: int, shard: str, checkpoint) -> int:
 
 
 @pytest.mark.filterwarnings("ignore:FSDP2-wrapped module:UserWarning")  # the logits are a view
-@pytest.mark.parametrize("shard", ["zero1", "zero2", "zero3"])
+# zero3 holds every engine buffer; zero1 and zero2 are make test-heavy
+@pytest.mark.parametrize("shard", [pytest.param("zero1", marks=pytest.mark.heavy), pytest.param("zero2", marks=pytest.mark.heavy), "zero3"])
 def test_sharded_plan_is_exact_and_within_budget(shard):
     none, every = harness_peak(2, shard, []), harness_peak(2, shard, UNITS)
     assert every < none

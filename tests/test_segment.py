@@ -143,7 +143,8 @@ def test_segments_store_less_than_one_checkpoint_per_block():
     )
 
 
-@pytest.mark.parametrize("name", ["residual_chain", "mlp_blocks", "vit_dropout"])
+# vit_dropout (10 s) is make test-heavy: the two others keep the check in make test
+@pytest.mark.parametrize("name", ["residual_chain", "mlp_blocks", pytest.param("vit_dropout", marks=pytest.mark.heavy)])
 def test_estimated_segment_terms_are_close_and_measured_ones_exact(name):
     fx = ZOO[name]
     b = 64
@@ -249,6 +250,7 @@ def test_plan_cost_is_the_optimum_over_all_plans_at_the_batch():
     assert abs(res.recompute_fraction * res.step_ms - min(fitting)) <= 1e-3 * res.step_ms
 
 
+@pytest.mark.heavy  # 26 s: a whole CLI search; test_search_sharded covers "no segments" in the searcher
 def test_cli_no_segments_plans_one_checkpoint_per_module(tmp_path):
     import json
     import subprocess

@@ -638,6 +638,9 @@ class Searcher:
             self.b1 = 2
             self.order_units(self.b1)
         b1, b2 = self.b1, self.b2
+        over = self._states_over(budget)  # the ordering step has built every state: nothing to probe
+        if over is not None:
+            raise over
         if batch_size is None:
             guess = self.largest_fitting(budget, b1, b2)
             if guess == 0:
@@ -738,6 +741,31 @@ class Searcher:
                 rows.append(FrontierRow(b, sol.names(t), sol.peak, round(sol.cost / step, 4), True))
         return rows
 
+    def _states(self) -> tuple[int, int, int]:
+        """(parameters, gradients, optimizer state) on one GPU, as of the last recorded step."""
+        params, opt, grads = self.runner.state_bytes()
+        if self.sharding == "arithmetic":
+            per = static_per_gpu(params, grads, opt, self.world_size, self.shard, self.gathered_bytes())
+            params, grads, opt = per.params + per.gathered, per.grads, per.optimizer
+        return params, grads, opt
+
+    def _states_over(self, budget: int, where: str = "") -> NoFitError | None:
+        """The answer when weights + gradients + optimizer state alone exceed the budget (None if not):
+        no plan or batch can help, so search says so after its first recorded step."""
+        params, grads, opt = self._states()
+        states = params + grads + opt
+        if states <= budget:
+            return None
+        n = sum(p.numel() for p in self.runner.model.parameters() if p.requires_grad) or 1
+        return NoFitError(
+            f"nothing fits {format_bytes(budget)}: weights + gradients + optimizer state alone are "
+            f"{format_bytes(states)} ({format_bytes(params)} + {format_bytes(grads)} + {format_bytes(opt)}, "
+            f"{states / n:.1f} bytes per trainable parameter), more than the budget before any activation"
+            + (f"; {where}" if where else ""),
+            "no checkpoint plan can fix that: shard the states over GPUs (FSDP / ZeRO-3), use an 8-bit optimizer "
+            "or train adapters (LoRA); `ckpt-tune diagnose` predicts each",
+        )
+
     def _no_fit(self, budget: int, b: int, verified: dict[tuple[int, ...], int] | None = None) -> NoFitError:
         t = self.terms(b)
         mp = min_peak(t, self.costs(b))
@@ -751,24 +779,14 @@ class Searcher:
                 "the memory model is optimistic for this model here; allow that much more --vram or a smaller "
                 "--batch-size, and please report it (ckpt-tune search --json shows the plans tried)",
             )
-        params, opt, grads = self.runner.state_bytes()
-        if self.sharding == "arithmetic":
-            per = static_per_gpu(params, grads, opt, self.world_size, self.shard, self.gathered_bytes())
-            params, grads, opt = per.params + per.gathered, per.grads, per.optimizer
-        states = params + grads + opt
-        n = sum(p.numel() for p in self.runner.model.parameters() if p.requires_grad) or 1
         where = (
             f"the smallest peak reachable at batch {b} is {format_bytes(mp.peak)} "
             f"(checkpointing {len(member_names(mp.names(t)))} of {len(self.units)} blocks)"
         )
-        if states > budget:
-            return NoFitError(
-                f"nothing fits {format_bytes(budget)}: weights + gradients + optimizer state alone are "
-                f"{format_bytes(states)} ({format_bytes(params)} + {format_bytes(grads)} + {format_bytes(opt)}, "
-                f"{states / n:.1f} bytes per trainable parameter), more than the budget before any activation; {where}",
-                "no checkpoint plan can fix that: shard the states over GPUs (FSDP / ZeRO-3), use an 8-bit optimizer "
-                "or train adapters (LoRA); `ckpt-tune diagnose` predicts each",
-            )
+        alone = self._states_over(budget, where)
+        if alone is not None:
+            return alone
+        states = sum(self._states())
         return NoFitError(
             f"nothing fits {format_bytes(budget)}: {where}; weights + gradients + optimizer state are "
             f"{format_bytes(states)}, the step's activations and temporaries the rest",
