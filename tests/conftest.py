@@ -1,6 +1,9 @@
-"""Shared test set-up: tests marked `gpu` are skipped where torch sees no CUDA device."""
+"""Shared test set-up: tests marked `gpu` are skipped where torch sees no CUDA device; `main` and `run`
+run `ckpt-tune check` in this process."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -36,3 +39,37 @@ def require_cpu_kernel():
             pytest.skip(f"this CPU has no oneDNN kernel for {what}: {str(e).splitlines()[0][:120]}")
 
     return check
+
+
+# -- `ckpt-tune check` run in this process (tests/test_check.py, tests/test_check_sharded.py) --------------
+
+
+@pytest.fixture(scope="module")
+def main():
+    """cli.main with the `check` command registered (cli.py adds it with one line; until then, here,
+    and taken out again afterwards so other tests see cli.app as it is)."""
+    from ckpt_tune import cli
+    from ckpt_tune.cli import check as check_cli
+
+    added = []
+    if not any(getattr(c.callback, "__name__", "") == "check" for c in cli.app.registered_commands):
+        before = list(cli.app.registered_commands)
+        check_cli.register(cli.app)
+        added = [c for c in cli.app.registered_commands if c not in before]
+    yield cli.main
+    for c in added:
+        cli.app.registered_commands.remove(c)
+
+
+@pytest.fixture
+def run(main, monkeypatch, capsys):
+    """Run `ckpt-tune ARGS...` in this process; returns (exit code, stdout, stderr)."""
+
+    def _run(*args: str) -> tuple[int, str, str]:
+        monkeypatch.setattr(sys, "argv", ["ckpt-tune", *args])
+        with pytest.raises(SystemExit) as exc:
+            main()
+        cap = capsys.readouterr()
+        return exc.value.code, cap.out, cap.err
+
+    return _run

@@ -9,7 +9,6 @@ The target is three residual MLP blocks and a head; CKPT_SHARDED_HIDDEN widens e
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -79,34 +78,6 @@ def target(tmp_path: Path) -> str:
     path = tmp_path / "sharded_net.py"
     path.write_text(TARGET_SRC)
     return f"{path}:build"
-
-
-@pytest.fixture(scope="module")
-def main():
-    """cli.main with the `check` command registered (as tests/test_check.py does)."""
-    from ckpt_tune import cli
-    from ckpt_tune.cli import check as check_cli
-
-    added = []
-    if not any(getattr(c.callback, "__name__", "") == "check" for c in cli.app.registered_commands):
-        before = list(cli.app.registered_commands)
-        check_cli.register(cli.app)
-        added = [c for c in cli.app.registered_commands if c not in before]
-    yield cli.main
-    for c in added:
-        cli.app.registered_commands.remove(c)
-
-
-@pytest.fixture
-def run(main, monkeypatch, capsys):
-    def _run(*args: str) -> tuple[int, str, str]:
-        monkeypatch.setattr(sys, "argv", ["ckpt-tune", *args])
-        with pytest.raises(SystemExit) as exc:
-            main()
-        cap = capsys.readouterr()
-        return exc.value.code, cap.out, cap.err
-
-    return _run
 
 
 def check_args(target: str, baseline: Path, *extra: str) -> list[str]:
