@@ -143,7 +143,7 @@ def _every_innermost_budget(t, batch: int) -> int:
 
 
 @pytest.mark.parametrize(
-    "name", ["nested_resnet", pytest.param("convnext_like", marks=pytest.mark.heavy), pytest.param("nested_unet", marks=pytest.mark.heavy)]
+    "name", [pytest.param(n, marks=pytest.mark.heavy) for n in ("nested_resnet", "convnext_like", "nested_unet")]
 )
 def test_search_reaches_the_batch_of_every_innermost_block(name):
     t = TARGETS[name]

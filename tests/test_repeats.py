@@ -131,6 +131,7 @@ def test_a_chain_of_different_blocks_is_recorded_at_full_depth():
         assert find_repeat(runner.model, s.units) is None
 
 
+@pytest.mark.heavy  # 16 s: two full searches
 def test_blocks_that_look_identical_but_record_differently_fall_back(monkeypatch):
     with _runner("cuda") as runner:
         s = Searcher(runner)
