@@ -41,6 +41,16 @@ def require_cpu_kernel():
     return check
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module of tiny models: thread start-up costs more than it saves on a shared
+    2-core machine. Use with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 # -- `ckpt-tune check` run in this process (tests/test_check.py, tests/test_check_sharded.py) --------------
 
 

@@ -30,13 +30,7 @@ FX = ZOO["mlp_blocks"]
 TOLERANCE = 0.05  # the issue's bar; measured remedies come out exact, see the assertions' messages
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny models: thread start-up costs more than it saves on a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -109,24 +109,42 @@ def test_load_accepts_a_mapping_and_a_plan() -> None:
     assert load_plan({**data, "checkpoint": None}).checkpoint == ()
 
 
-def _with(**changes) -> dict:
-    data = yaml.safe_load(plan_to_yaml(EXAMPLE))
+MISSING = object()  # a change that deletes the key
+
+
+def plan_data(plan: Plan, **changes) -> dict:
+    """`plan` as its file's data, with keys changed (or deleted, with MISSING)."""
+    data = yaml.safe_load(plan_to_yaml(plan))
     for key, value in changes.items():
-        if value is _MISSING:
+        if value is MISSING:
             del data[key]
         else:
             data[key] = value
     return data
 
 
-_MISSING = object()
+def _with(**changes) -> dict:
+    return plan_data(EXAMPLE, **changes)
+
+
+def assert_names_the_field(data: dict, field: str, words: str, tmp_path) -> PlanError:
+    """Loading `data` from a file fails with one PlanError naming `field` and the file, with `words` and a hint."""
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    with pytest.raises(PlanError) as err:
+        load_plan(path)
+    assert f"field '{field}'" in err.value.message
+    assert words in err.value.message
+    assert str(path) in err.value.message
+    assert err.value.hint
+    return err.value
 
 
 @pytest.mark.parametrize(
     ("changes", "field", "words"),
     [
-        *[({key: _MISSING}, key, "is missing") for key in KEY_ORDER if key != "version"],
-        ({"version": _MISSING}, "version", "is missing"),
+        *[({key: MISSING}, key, "is missing") for key in KEY_ORDER if key != "version"],
+        ({"version": MISSING}, "version", "is missing"),
         ({"version": 2}, "version", "reads version 1"),
         ({"version": "1"}, "version", "reads version 1"),
         ({"target": ""}, "target", "non-empty string"),
@@ -157,14 +175,7 @@ _MISSING = object()
     ],
 )
 def test_malformed_plans_name_the_field(changes: dict, field: str, words: str, tmp_path) -> None:
-    path = tmp_path / "plan.yaml"
-    path.write_text(yaml.safe_dump(_with(**changes), sort_keys=False))
-    with pytest.raises(PlanError) as err:
-        load_plan(path)
-    assert f"field '{field}'" in err.value.message
-    assert words in err.value.message
-    assert str(path) in err.value.message
-    assert err.value.hint
+    assert_names_the_field(_with(**changes), field, words, tmp_path)
 
 
 def test_hints_suggest_the_close_spelling() -> None:

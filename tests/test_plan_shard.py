@@ -28,6 +28,7 @@ from ckpt_tune.plan.apply import applied_names
 from ckpt_tune.plan.file import Plan, load_plan, plan_to_yaml, write_plan
 from ckpt_tune.plan.patch import patch_snippet, sharding_snippet
 from tests import sharded_worker as w
+from tests.test_emit import MISSING, assert_names_the_field, plan_data
 
 SINGLE = Plan(
     target="tests/sharded_worker.py:build",
@@ -124,17 +125,8 @@ def test_an_old_plan_file_without_the_keys_is_one_device(tmp_path) -> None:
     assert load_plan(explicit) == plan
 
 
-_MISSING = object()
-
-
 def _sharded(**changes) -> dict:
-    data = yaml.safe_load(plan_to_yaml(SHARDED))
-    for key, value in changes.items():
-        if value is _MISSING:
-            del data[key]
-        else:
-            data[key] = value
-    return data
+    return plan_data(SHARDED, **changes)
 
 
 @pytest.mark.parametrize(
@@ -146,7 +138,7 @@ def _sharded(**changes) -> dict:
         ({"world_size": 2.0}, "world_size", "must be an integer"),
         ({"shard": "zero4"}, "shard", "not one of none, zero1, zero2, zero3, fsdp"),
         ({"shard": "none"}, "shard", "is 'none' but world_size is 2"),
-        ({"shard": _MISSING}, "shard", "is 'none' but world_size is 2"),
+        ({"shard": MISSING}, "shard", "is 'none' but world_size is 2"),
         ({"world_size": 1}, "shard", "is 'zero3' but world_size is 1"),
         ({"world_size": 1, "shard": "none"}, "sharding", "is 'measured' but world_size is 1"),
         ({"sharding": "measure"}, "sharding", "not one of none, measured, arithmetic"),
@@ -163,14 +155,7 @@ def _sharded(**changes) -> dict:
     ],
 )
 def test_bad_sharding_keys_name_the_field(changes: dict, field: str, words: str, tmp_path) -> None:
-    path = tmp_path / "plan.yaml"
-    path.write_text(yaml.safe_dump(_sharded(**changes), sort_keys=False))
-    with pytest.raises(PlanError) as err:
-        load_plan(path)
-    assert f"field '{field}'" in err.value.message
-    assert words in err.value.message
-    assert str(path) in err.value.message
-    assert err.value.hint
+    assert_names_the_field(_sharded(**changes), field, words, tmp_path)
 
 
 def test_segment_hint_says_how_to_list_it() -> None:
