@@ -156,7 +156,6 @@ def test_blocks_that_look_identical_but_record_differently_fall_back(monkeypatch
         assert any("recorded at full depth" in n for n in s.notes)
 
 
-@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module:UserWarning")  # the head's 3-D output is a view
 # zero3 has every engine buffer in it (all-gather, reduce-scatter, prefetch); the others: make test-heavy
 @pytest.mark.parametrize("shard", [pytest.param("zero1", marks=pytest.mark.heavy), pytest.param("zero2", marks=pytest.mark.heavy), "zero3"])
 def test_extended_sharded_terms_equal_full_depth_terms_to_the_byte(shard):

@@ -22,7 +22,6 @@ holds the answer (`Diagnosis`, `Remedy`), its ranking and its texts; oom.py read
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -105,14 +104,8 @@ def diagnose(
     return study.result()
 
 
-# FSDP2 warns when the root module returns a view (an in-place op on it in the user's loop would skip a
-# hook): advice for the user's training loop, not about the step recorded here, where the loss takes it
-FSDP_VIEW_WARNING = "FSDP2-wrapped module .* returned a view tensor"
-
-
 def _run(study: Study) -> None:
-    with session.user_errors("diagnosing"), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=FSDP_VIEW_WARNING, category=UserWarning)
+    with session.user_errors("diagnosing"):
         with study.recording():
             study.start()
             if not study.fits:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import os
-import warnings
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -153,11 +152,6 @@ def resolve_sharding(
     return check_shard(world_size, shard)
 
 
-# FSDP2 warns when the root module returns a view (an in-place op on it in the user's loop would skip a
-# hook): advice for the user's training loop, not about the step recorded here, where the loss takes it
-FSDP_VIEW_WARNING = "FSDP2-wrapped module .* returned a view tensor"
-
-
 def _profile(
     target: str | None,
     batch_size: int,
@@ -174,27 +168,31 @@ def _profile(
     if world_size == 1:
         return session.profile(target, batch_size=batch_size, settings=settings, checkpoint=checkpoint, scaling=False)
     from ckpt_tune.measure.device import resolve_device
-    from ckpt_tune.measure.profiler import profile_model
     from ckpt_tune.tune.candidates import find_blocks
 
-    device = resolve_device(settings.device)
+    hint = "use --device cpu (or --device meta for a step larger than this machine's RAM)"
+    _require_engine(resolve_device(settings.device), world_size, shard, hint)
+    units = plan.shard_units if plan is not None and plan.shard == shard and plan.shard_units else None
+    prof = session.profile(
+        target, batch_size=batch_size, settings=settings, checkpoint=checkpoint, scaling=False,
+        world_size=world_size, shard=shard, units_of=(lambda _m: units) if units else find_blocks,
+    )
+    return _rank0(prof, world_size, shard)
+
+
+def _require_engine(device: str, world_size: int, shard: str, hint: str) -> None:
+    """A sharded check records rank 0 under the real engine, which runs on the CPU or under fake tensors only."""
+    from ckpt_tune.measure import session
+
     if not session.sharded_engine(device, world_size):
         raise CkptTuneError(
             f"a {shard} run over {world_size} ranks is recorded on the CPU or under fake tensors, not on {device}: "
             "its rank 0 runs under the real engine with a fake process group",
-            "use --device cpu (or --device meta for a step larger than this machine's RAM)",
+            hint,
         )
-    units = plan.shard_units if plan is not None and plan.shard == shard and plan.shard_units else None
-    t = session.load(target, settings)
-    model, runner, step = session.build_runner(
-        t, settings, world_size, shard, units_of=(lambda _m: units) if units else find_blocks
-    )
-    with session.user_errors("profiling"), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=FSDP_VIEW_WARNING, category=UserWarning)
-        prof = profile_model(
-            model, runner.batch_fn, runner.loss_fn, batch_size=batch_size, settings=step, target=t.spec,
-            scaling=False, checkpoint=checkpoint, runner=runner,
-        )
+
+
+def _rank0(prof: StepProfile, world_size: int, shard: str) -> StepProfile:
     return replace(prof, measured_by=f"{prof.measured_by}; rank 0 of {world_size} under {shard} (a fake process group)")
 
 
@@ -358,7 +356,7 @@ def _assert(res: CheckResult) -> CheckResult:
 def _profile_module(
     model, make_batch, loss_fn, batch_size, device, precision, optimizer, checkpoint, world_size=1, shard="none"
 ) -> StepProfile:
-    from ckpt_tune.measure import loader, session
+    from ckpt_tune.measure import loader
     from ckpt_tune.measure.device import resolve_device
     from ckpt_tune.measure.profiler import profile_model
     from ckpt_tune.measure.runner import StepSettings
@@ -380,26 +378,17 @@ def _profile_module(
         from ckpt_tune.measure.sharded import ShardedRunner
         from ckpt_tune.tune.candidates import find_blocks
 
-        if not session.sharded_engine(dev, world_size):
-            raise CkptTuneError(
-                f"a {shard} run over {world_size} ranks is recorded on the CPU or under fake tensors, not on {dev}",
-                'pass device="cpu"',
-            )
-        units = tuple(find_blocks(model))
-        runner = ShardedRunner(model, batch_fn, loss, step, world_size=world_size, shard=shard, units=units)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=FSDP_VIEW_WARNING, category=UserWarning)
-        prof = profile_model(
-            model,
-            batch_fn,
-            loss,
-            batch_size=batch_size,
-            settings=step,
-            target=f"<{type(model).__name__}>",
-            scaling=False,
-            checkpoint=checkpoint,
-            runner=runner,
-        )
-    if world_size > 1:
-        prof = replace(prof, measured_by=f"{prof.measured_by}; rank 0 of {world_size} under {shard} (a fake process group)")
-    return prof
+        _require_engine(dev, world_size, shard, 'pass device="cpu"')
+        runner = ShardedRunner(model, batch_fn, loss, step, world_size=world_size, shard=shard, units=tuple(find_blocks(model)))
+    prof = profile_model(
+        model,
+        batch_fn,
+        loss,
+        batch_size=batch_size,
+        settings=step,
+        target=f"<{type(model).__name__}>",
+        scaling=False,
+        checkpoint=checkpoint,
+        runner=runner,
+    )
+    return _rank0(prof, world_size, shard) if world_size > 1 else prof

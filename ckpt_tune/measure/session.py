@@ -158,10 +158,14 @@ def profile(
     settings: Settings = Settings(),
     checkpoint: tuple[str, ...] = (),
     scaling: bool = True,
+    world_size: int = 1,
+    shard: str = "none",
+    units_of: Callable[[nn.Module], Sequence[str]] | None = None,
 ) -> StepProfile:
-    """Profile one training iteration of the target at `batch_size`."""
+    """Profile one training iteration of the target at `batch_size`; with `world_size` > 1, rank 0's
+    under the sharding engine where `sharded_engine` says it runs (build_runner)."""
     t = load(target, settings)
-    model, runner, step = build_runner(t, settings)
+    model, runner, step = build_runner(t, settings, world_size, shard, units_of)
     with user_errors("profiling"):
         prof = profile_model(
             model,

@@ -298,17 +298,22 @@ class ShardedRunner(StepRunner):
         self._pg: contextlib.AbstractContextManager | None = None
         self._mesh: Any = None
         self._cast_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._quiet: contextlib.AbstractContextManager | None = None
 
     @property
     def engine(self) -> str:
         return ENGINES[self.shard][0]
 
     def __enter__(self) -> ShardedRunner:
-        # the process group and its mesh are process state, made of real tensors: outside fake mode
-        pg = fake_process_group(self.world_size, self.rank)
-        self._mesh = pg.__enter__()
-        self._pg = pg
+        # FSDP2's advice on a model whose output is a view: silenced for every step the runner runs
+        # (measure, time_step, and whatever else calls the sharded model while it is entered)
+        self._quiet = _quiet()
+        self._quiet.__enter__()
         try:
+            # the process group and its mesh are process state, made of real tensors: outside fake mode
+            pg = fake_process_group(self.world_size, self.rank)
+            self._mesh = pg.__enter__()
+            self._pg = pg
             return super().__enter__()
         except BaseException:
             self._teardown()
@@ -349,14 +354,13 @@ class ShardedRunner(StepRunner):
         if self._pg is not None:
             pg, self._pg, self._mesh = self._pg, None, None
             pg.__exit__(None, None, None)
+        if self._quiet is not None:
+            quiet, self._quiet = self._quiet, None
+            quiet.__exit__(None, None, None)
 
     def measure(self, *args, **kwargs) -> Measurement:
-        with fake_fsdp_recording() if self.fake else contextlib.nullcontext(), _quiet():
+        with fake_fsdp_recording() if self.fake else contextlib.nullcontext():
             return super().measure(*args, **kwargs)
-
-    def time_step(self, *args, **kwargs):
-        with _quiet():
-            return super().time_step(*args, **kwargs)
 
     def _autocast(self):
         if self.engine == "fully_shard":  # MixedPrecisionPolicy casts, not autocast
