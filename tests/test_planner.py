@@ -146,3 +146,21 @@ def test_a_plan_that_overshot_cannot_come_back_after_tightening() -> None:
 
     assert tighten(100, 80, 105, 100) == 75
     assert tighten(70, 80, 105, 100) == 65  # an already tighter room stays the bound
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_bound_from_thinned_fronts_keeps_the_optimum(seed):
+    """solve's first pass on fronts of ROUGH_CAP states bounds the exact pass: on chains too long for
+    the brute force, at budgets from tight to loose, it returns the plan the unbounded DP does."""
+    from ckpt_tune.tune import planner
+
+    rng = random.Random(100 + seed)
+    n, k = 32, 4
+    t, costs = _random_terms(rng, n, k), _costs(rng, n, k)
+    lo, hi = min_peak(t, costs).peak, predict(t, (0,) * n)
+    for budget in (lo, lo + (hi - lo) // 8, (lo + hi) // 2, hi):
+        room = budget - t.static - t.base
+        ends = planner._dp(t, costs, room, planner._pareto)
+        best = min(ends, key=lambda s: (s[1], s[2], planner._checkpointed(s[3])))
+        sol = solve(t, costs, budget)
+        assert (sol.choice, sol.cost, sol.peak) == (best[3], best[1], t.static + t.base + best[2])

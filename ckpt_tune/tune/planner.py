@@ -12,9 +12,12 @@ Pure: no device, no model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import itemgetter
 
 from ckpt_tune.tune.memory_model import Terms, pair_index, predict, segment_code
 
+_BY_PREFIX_COST_TOP, _BY_PREFIX_TOP_COST = itemgetter(0, 1, 2), itemgetter(0, 2, 1)  # sort keys of a state
+ROUGH_CAP = 16  # states per front in solve's first pass, which only bounds the cost
 FRONT_CAP = 20000  # Pareto points kept per step before thinning (never reached by models of ≤ 200 blocks seen)
 
 
@@ -36,9 +39,13 @@ def solve(terms: Terms, costs: Costs, budget: int) -> Solution | None:
     room = budget - terms.static - terms.base
     if terms.fixed - terms.base > room:
         return None
-    ends = _dp(terms, costs, room, _pareto)
-    if not ends:
+    # a feasible plan first, on fronts thinned to ROUGH_CAP states (each keeps its smallest prefix, so it
+    # finds a plan whenever one exists); no cheaper plan passes through a state that already costs more
+    rough = _dp(terms, costs, room, lambda states: _thin(_pareto(states), ROUGH_CAP))
+    if not rough:
         return None
+    bound = min(s[1] for s in rough)
+    ends = _dp(terms, costs, room, lambda states: _pareto([s for s in states if s[1] <= bound]))
     best = min(ends, key=lambda s: (s[1], s[2], _checkpointed(s[3])))
     return Solution(best[3], best[1], terms.static + terms.base + best[2])
 
@@ -69,19 +76,31 @@ def _dp(terms: Terms, costs: Costs, room: int | None, prune) -> list:
     # a state's choice is a linked list (codes, parent): copying tuples would make each step O(n)
     pending: list[dict[int, list]] = [{} for _ in range(n + 1)]
     pending[0][0] = [(0, 0, terms.fixed - terms.base, None)]
+    limit = float("inf") if room is None else room
     for i in range(n):
-        blk = terms.blocks[i]
+        blk, c_i, nxt = terms.blocks[i], costs[i], pending[i + 1]
         for prev, raw in pending[i].items():
+            # per option: what it stores, its window's height above the prefix (max of F and B), its cost
+            opts = [
+                (own, (own,), blk.d[k], max(blk.F[k], blk.B[k]), c_i[own])
+                for own in range(K)
+                for k in (pair_index(prev, own, K),)
+            ]
+            segs = starts.get(i, ())
             for prefix, cost, top, ch in prune(raw):
-                for own in range(K):
-                    k = pair_index(prev, own, K)
-                    t = max(top, prefix + blk.F[k], prefix + blk.B[k])
-                    if room is None or t <= room:
-                        pending[i + 1].setdefault(own, []).append((prefix + blk.d[k], cost + costs[i][own], t, ((own,), ch)))
-                for a, b in starts.get(i, ()):
+                for own, code, d, fb, c in opts:
+                    t = prefix + fb
+                    if t < top:
+                        t = top
+                    if t <= limit:
+                        lst = nxt.get(own)
+                        if lst is None:
+                            lst = nxt[own] = []
+                        lst.append((prefix + d, cost + c, t, (code, ch)))
+                for a, b in segs:
                     seg = terms.segments[(a, b)]
                     t = max(top, prefix + seg.F[prev], prefix + seg.B[prev])
-                    if room is None or t <= room:
+                    if t <= limit:
                         code = segment_code(a, b)
                         pending[b + 1].setdefault(1, []).append((prefix + seg.d[prev], cost + seg_cost[(a, b)], t, (code, ch)))
         pending[i] = {}
@@ -103,7 +122,7 @@ def _pareto(states: list) -> list:
     ≤ room, and `top` already fits), so a state is dropped when another has a prefix no larger and a
     lower cost, or the same cost and a `top` no larger. One sweep in prefix order.
     """
-    states.sort(key=lambda s: (s[0], s[1], s[2]))
+    states.sort(key=_BY_PREFIX_COST_TOP)
     kept: list = []
     best_cost, best_top = None, None
     for s in states:
@@ -114,14 +133,21 @@ def _pareto(states: list) -> list:
             best_cost, best_top = s[1], s[2]
         else:
             best_top = min(best_top, s[2])
-    if len(kept) > FRONT_CAP:
-        kept = kept[:: len(kept) // FRONT_CAP + 1]
-    return kept
+    return _thin(kept, FRONT_CAP)
+
+
+def _thin(kept: list, cap: int) -> list:
+    """At most about `cap` states, evenly spread over the prefix; the ends (the smallest prefix, and on a
+    Pareto front the cheapest) always stay."""
+    if len(kept) <= cap:
+        return kept
+    thin = kept[:: len(kept) // cap + 1]
+    return thin if thin[-1] is kept[-1] else [*thin, kept[-1]]
 
 
 def _pareto_peak(states: list) -> list:
     """Keep states not dominated in (prefix, top); cost breaks ties."""
-    states.sort(key=lambda s: (s[0], s[2], s[1]))
+    states.sort(key=_BY_PREFIX_TOP_COST)
     kept: list = []
     best_top = None
     for s in states:
