@@ -187,10 +187,11 @@ class StepRunner:
         for p in self.model.parameters():
             p.grad = None
 
-    def iteration(self, batch_size: int, accum_steps: int = 1) -> None:
+    def iteration(self, batch_size: int, accum_steps: int = 1, optimizer_step: bool = True) -> None:
         """One training iteration, with phase markers (harmless when nothing records). With
         `accum_steps` > 1: that many micro-batches (loss / steps, gradients summed by autograd) before
-        the one optimizer step; from the second on, every gradient is live through forward and backward."""
+        the one optimizer step; from the second on, every gradient is live through forward and backward.
+        `optimizer_step=False`: forward and backward only (the "step" marker still closes the iteration)."""
         torch.manual_seed(SEED)  # same dropout masks every time: memory is deterministic
         self._zero_grad()
         mark("iter")
@@ -215,7 +216,7 @@ class StepRunner:
                     "check that the loss depends on the model's trainable parameters",
                 ) from e
             mark("backward")
-        if self.optimizer is not None:
+        if self.optimizer is not None and optimizer_step:
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
@@ -248,13 +249,15 @@ class StepRunner:
         units: Sequence[str] = (),
         attribute: bool = False,
         accum_steps: int = 1,
+        optimizer_step: bool = True,
     ) -> Measurement:
         """Record one steady-state iteration.
 
         `checkpoint`: module names wrapped with non-reentrant checkpoint for this run. `units`: modules
         whose forward start/end and backward start are marked ("f>name", "f<name", "b>name"; the first
         micro-batch's come first). `attribute`: also attribute saved tensors to modules and mark every
-        module. `accum_steps`: micro-batches per optimizer step (see `iteration`).
+        module. `accum_steps`: micro-batches per optimizer step (see `iteration`). `optimizer_step=False`:
+        the optimizer step is left out of the recorded iteration (its moments are read from another one).
         """
         self.warm_up(batch_size)
         param_b, opt_b, grads_before = self.state_bytes()
@@ -272,7 +275,7 @@ class StepRunner:
                 torch.cuda.reset_peak_memory_stats()
             recorder = fake.FakeRecorder(self.settings.fake_target) if self.fake else Recorder(self.device.type)
             with self._ctx(), recorder as rec:
-                self.iteration(batch_size, accum_steps)
+                self.iteration(batch_size, accum_steps, optimizer_step)
             if cuda:
                 torch.cuda.synchronize()
                 cuda_peak, cuda_reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()

@@ -220,6 +220,10 @@ class Searcher:
         self.spans = group_spans(self.units, {g: v for g, v in self.groups.items() if g not in self.units})
         if "blocks" not in self.candidates:  # groups are whole modules checkpointed: the "blocks" kind
             self.spans = {}
+        # a plain or sharded runner only: HostGuard bounds later steps by the ones it ran, which a shortened
+        # step would fool
+        plain = type(self.runner) is StepRunner or type(self.runner) is ShardedRunner
+        self.repeat = find_repeat(self.runner.model, self.units) if plain else None
         subs = find_sub_options(self.runner.model, self.units) if "submodules" in self.candidates else []
         policies = self._useful_policies(batch_size) if "ops" in self.candidates else []
         self.options = ("none", "block", *subs, *(policy_option(p) for p in policies))
@@ -237,15 +241,11 @@ class Searcher:
         tl = m.timeline
         none = (0,) * len(self.units)
         self._order_cut = (batch_size, cut_run(tl.live_at, tl.max_between, tl.markers, self.units, none), m.static_bytes)
-        # a plain or sharded runner only: HostGuard bounds later steps by the ones it ran, which a shortened
-        # step would fool
-        plain = type(self.runner) is StepRunner or type(self.runner) is ShardedRunner
-        self.repeat = find_repeat(self.runner.model, self.units) if plain else None
 
     def _useful_policies(self, batch_size: int) -> list[str]:
         """The op policies that keep something in some block (one forward, measure/op_costs.py): a
         policy that keeps nothing is checkpointing the whole block, at the price of a recorded step."""
-        shares = recompute_shares(self.runner, batch_size, self.units, POLICIES, repeats=1)
+        shares = self._recompute_shares(batch_size, POLICIES, repeats=1)
         useful = [p for p in POLICIES if any(shares[(u, p)] < 1.0 for u in self.units)]
         if len(useful) < len(POLICIES):
             self.notes.append(
@@ -270,6 +270,17 @@ class Searcher:
                     )
             useful = [p for p in useful if dear[p] <= WORTH_A_POLICY]
         return [p for p in useful if policy_option(p) not in self._dropped]
+
+    def _recompute_shares(self, batch_size: int, policies, repeats: int = 3) -> dict[tuple[str, str], float]:
+        """op_costs.recompute_shares of the chain; under fake tensors, identical blocks' on the shortened
+        chain (a share is a count of FLOPs and bytes, the same for each of them)."""
+        rep = self.repeat if self.runner.fake else None
+        if rep is None:
+            return recompute_shares(self.runner, batch_size, self.units, policies, repeats)
+        with shortened(self.runner.model, rep):
+            short = recompute_shares(self.runner, batch_size, rep.short_units, policies, repeats)
+        ref = rep.extended()
+        return {(u, p): short[(ref.get(u, u), p)] for u in self.units for p in policies}
 
     def _has(self, i: int, option: int) -> bool:
         name = self.options[option]
@@ -335,7 +346,7 @@ class Searcher:
         # a policy's cost relative to its block's forward: on a device, its time against checkpointing
         # the whole block (measured once by order_units); under fake tensors, the share of the forward
         # in the ops it recomputes, on a roofline
-        shares = recompute_shares(self.runner, at, self.units, policies) if self.runner.fake else self._ratios
+        shares = self._recompute_shares(at, policies) if self.runner.fake else self._ratios
 
         def cost(u: str, k: int) -> float:
             policy = policy_of(self.options[k])
@@ -449,12 +460,20 @@ class Searcher:
                 f"probing batch {batch_size} on {len(short)} of {len(self.units)} blocks (identical blocks): "
                 f"{label} checkpointed"
             )
+            # after backward every configuration holds the same tensors (the gradients, the batch, the
+            # loss): the optimizer step's moments are the no-checkpointing probe's at this batch, so the
+            # other configurations leave the step out (docs/design.md §4)
+            none = self._short_cuts.get((batch_size, (0,) * len(short)))
             with shortened(self.runner.model, rep), self._option_probe(label):
                 names = plan_entries(short, self.options, choice)
-                m = self.runner.measure(batch_size, checkpoint=names, units=short)
+                m = self.runner.measure(batch_size, checkpoint=names, units=short, optimizer_step=none is None)
             self.runs += 1
             tl = m.timeline
-            self._short_cuts[key] = cut_run(tl.live_at, tl.max_between, tl.markers, short, choice)
+            cut = cut_run(tl.live_at, tl.max_between, tl.markers, short, choice)
+            if none is not None:
+                after = none.after
+                cut = replace(cut, after=after, fixed=max(cut.before, after), peak_above_static=max(cut.peak_above_static, after))
+            self._short_cuts[key] = cut
         return self._short_cuts[key]
 
     def _shortened_terms(self, batch_size: int) -> Terms | None:
