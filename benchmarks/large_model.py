@@ -1,7 +1,8 @@
 """Planning 7B/70B Hugging Face models under fake tensors: wall time, max RSS, recorded steps, exit code
-and plan, for this checkout and, side by side in the same run, for an earlier commit (issue 14).
+and plan, for this checkout and, side by side in the same run, for the same checkout recording every
+step at full depth (identical blocks not shortened), or for an earlier commit (issue 14).
 
-    python benchmarks/large_model.py [--before <commit>] [--only 7b]
+    python benchmarks/large_model.py [--before full-depth | --before <commit>] [--only 7b]
 
 Each command runs in a fresh child process whose checkout comes first on sys.path; the child reports
 its own peak RSS (getrusage) at exit. The rule: where both checkouts find a plan, this checkout's is the
@@ -37,15 +38,20 @@ import atexit, resource, sys
 sys.path.insert(0, {root!r})
 atexit.register(lambda: print("BENCH_RSS_KIB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr))
 sys.argv = ["ckpt-tune", "search", *{args!r}, "--json"]
+if {full_depth!r}:  # every probe at full depth: no run of identical blocks is shortened
+    import ckpt_tune.tune.searcher
+    ckpt_tune.tune.searcher.find_repeat = lambda model, units: None
 from ckpt_tune.cli import main
 main()
 """
+FULL_DEPTH = "full-depth"
 
 
-def run(checkout: Path, args: list[str], timeout: int) -> dict:
+def run(checkout: Path, args: list[str], timeout: int, full_depth: bool = False) -> dict:
     t0 = time.perf_counter()
     try:
-        p = subprocess.run([sys.executable, "-c", CHILD.format(root=str(checkout), args=args)], cwd=checkout,
+        child = CHILD.format(root=str(checkout), args=args, full_depth=full_depth)
+        p = subprocess.run([sys.executable, "-c", child], cwd=checkout,
                            capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"exit_code": None, "wall_s": round(time.perf_counter() - t0, 1), "error": f"timed out after {timeout} s"}
@@ -93,7 +99,8 @@ def verdict(before: dict, after: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--before", default="4a75528", help="the commit before issue 14's work")
+    ap.add_argument("--before", default=FULL_DEPTH,
+                    help=f"{FULL_DEPTH} (this checkout, no shortened chain) or a commit, e.g. 4a75528 (before issue 14's work)")
     ap.add_argument("--only", nargs="*", default=list(COMMANDS))
     ap.add_argument("--timeout", type=int, default=1200)
     ap.add_argument("--resume", action="store_true",
@@ -101,7 +108,7 @@ def main() -> None:
     ap.add_argument("--no-before", action="store_true", help="run this checkout only (rows say 'not compared')")
     a = ap.parse_args()
     tree = Path("/tmp/i14/before")
-    if not a.no_before and not tree.exists():
+    if not a.no_before and a.before != FULL_DEPTH and not tree.exists():
         subprocess.run(["git", "worktree", "add", "--detach", str(tree), a.before], cwd=ROOT, check=True, capture_output=True)
     rows: dict = {}
     saved = ROOT / "benchmarks" / "results" / "large_model.json"
@@ -114,7 +121,7 @@ def main() -> None:
         if a.no_before:
             rows[name] = {"args": args, "before": {}, "after": after, "verdict": "not compared (--no-before)"}
         else:
-            before = run(tree, args, a.timeout)
+            before = run(ROOT, args, a.timeout, full_depth=True) if a.before == FULL_DEPTH else run(tree, args, a.timeout)
             print(name, "before", before, file=sys.stderr, flush=True)
             rows[name] = {"args": args, "before": before, "after": after, "verdict": verdict(before, after)}
         report(rows, a.before)  # after every command: a long run keeps what it measured
@@ -131,6 +138,8 @@ def report(rows: dict, before_commit: str) -> None:
     lines = [
         f"Rule: where both find a plan, this checkout's is the same batch with the same or lower predicted "
         f"recompute (or a larger batch); where {a_before} exits 3, so does this checkout."
+        + (" `full-depth` is this checkout with every recorded step at full depth (no run of identical blocks "
+           "shortened; the benchmark's child process disables `find_repeat`)." if a_before == FULL_DEPTH else "")
         if compared else "This checkout only (--no-before): no rule applies.",
         "",
         "| command | checkout | exit | wall s | max RSS MiB | recorded steps | batch | checkpoints | recompute | "
@@ -143,7 +152,7 @@ def report(rows: dict, before_commit: str) -> None:
             if not x:
                 continue
             lines.append(
-                f"| {name} | {a_before if label == 'before' else 'this'} | {x.get('exit_code')} | {x.get('wall_s')} | "
+                f"| {name} | {a_before if label == 'before' else 'this (shortened)' if a_before == FULL_DEPTH else 'this'} | {x.get('exit_code')} | {x.get('wall_s')} | "
                 f"{x.get('max_rss_mib')} | {x.get('recorded_steps', '-')} | {x.get('batch_size', '-')} | "
                 f"{len(x['checkpoint']) if 'checkpoint' in x else '-'} | {x.get('predicted_recompute_fraction', '-')} | "
                 f"{_gib(x, 'predicted_peak_bytes')} / {_gib(x, 'verified_peak_bytes')} | {x.get('sharding', '-')} | "
