@@ -175,3 +175,17 @@ def test_extended_sharded_terms_equal_full_depth_terms_to_the_byte(shard):
             assert (ext.static, ext.base, ext.fixed) == (full.static, full.base, full.fixed)
             for i, (e, f) in enumerate(zip(ext.blocks, full.blocks, strict=True)):
                 assert (e.d, e.F, e.B) == (f.d, f.F, f.B), f"block {i} at batch {b}"
+
+
+def test_the_states_after_ordering_are_the_full_models():
+    """What ordering leaves behind (the gradients of every block, read by the states-alone answer) is
+    the same whether identical blocks are then counted on the shortened chain or not."""
+    with _runner("cuda", Decoder) as runner:
+        s = Searcher(runner)
+        s.order_units(1)
+        assert s.repeat is not None
+        assert "ops" in s.candidates
+        assert len(s.options) > 4  # the op policies were counted, on the shortened chain
+        params, grads, _opt = s._states()
+        assert grads == sum(p.numel() * p.element_size() for p in runner.model.parameters() if p.requires_grad)
+        assert grads == params

@@ -277,8 +277,13 @@ class Searcher:
         rep = self.repeat if self.runner.fake else None
         if rep is None:
             return recompute_shares(self.runner, batch_size, self.units, policies, repeats)
-        with shortened(self.runner.model, rep):
-            short = recompute_shares(self.runner, batch_size, rep.short_units, policies, repeats)
+        grads = [(p, p.grad) for p in self.runner.model.parameters()]  # a forward only: the step's stay
+        try:
+            with shortened(self.runner.model, rep):
+                short = recompute_shares(self.runner, batch_size, rep.short_units, policies, repeats)
+        finally:
+            for p, g in grads:
+                p.grad = g
         ref = rep.extended()
         return {(u, p): short[(ref.get(u, u), p)] for u in self.units for p in policies}
 
