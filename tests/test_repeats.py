@@ -189,3 +189,16 @@ def test_the_states_after_ordering_are_the_full_models():
         params, grads, _opt = s._states()
         assert grads == sum(p.numel() * p.element_size() for p in runner.model.parameters() if p.requires_grad)
         assert grads == params
+
+
+def test_progress_names_each_probe_and_the_time_left_at_its_batch():
+    with _runner("cuda", Decoder) as runner:
+        said: list[str] = []
+        s = Searcher(runner, progress=said.append)
+        s.order_units(1)
+        s.terms(1)
+    probes = [m for m in said if m.startswith("probing batch 1 on 6 of 8 blocks")]
+    n = len(probes)
+    assert n == len(s.options) + 2  # none, all, even, odd, and one run per finer option
+    assert probes[0].endswith(f"none checkpointed: step 1 of {n}")  # nothing timed yet: no estimate
+    assert all(f": step {j} of {n}, about " in m and m.endswith(" s left at this batch") for j, m in enumerate(probes[1:], 2))

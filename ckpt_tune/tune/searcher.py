@@ -180,6 +180,7 @@ class Searcher:
         self.repeat: Repeat | None = None
         self._short_cuts: dict[tuple[int, tuple[int, ...]], RunCut] = {}
         self.stage_seconds: dict[str, float] = {}
+        self._probe_s: dict[str, list[float]] = {}  # seconds of each probe step recorded, "short" or "full"
         self._dropped: set[str] = set()  # finer options whose probe step failed (never offered again)
         # (unit, policy) -> a policy's recompute time over the whole block's, measured by order_units
         self._ratios: dict[tuple[str, str], float] = {}
@@ -270,6 +271,13 @@ class Searcher:
                     )
             useful = [p for p in useful if dear[p] <= WORTH_A_POLICY]
         return [p for p in useful if policy_option(p) not in self._dropped]
+
+    def _say_probe(self, what: str, j: int, n: int, kind: str) -> None:
+        """Progress of probe j of n at a batch, with the time its remaining probes should take: as long
+        each as the probes of this kind (shortened or full depth) recorded so far."""
+        done = self._probe_s.get(kind)
+        left = f", about {sum(done) / len(done) * (n - j + 1):.0f} s left at this batch" if done else ""
+        self.progress(f"{what}: step {j} of {n}{left}")
 
     def _recompute_shares(self, batch_size: int, policies, repeats: int = 3) -> dict[tuple[str, str], float]:
         """op_costs.recompute_shares of the chain; under fake tensors, identical blocks' on the shortened
@@ -426,11 +434,13 @@ class Searcher:
                 cuts.append(self._order_cut[1])  # order_units recorded this very step
                 static = self._order_cut[2]
                 continue
-            self.progress(f"probing batch {batch_size}: step {j + 1} of {len(configs)} ({label} checkpointed)")
+            self._say_probe(f"probing batch {batch_size} ({label} checkpointed)", j + 1, len(configs), "full")
             names = self.names(choice)
+            t0 = time.perf_counter()
             try:
                 with self._option_probe(label):
                     m = self.runner.measure(batch_size, checkpoint=names, units=self.units, accum_steps=self._kind)
+                self._probe_s.setdefault("full", []).append(time.perf_counter() - t0)
             except torch.OutOfMemoryError:
                 if batch_size in (self.b1, self.b2):
                     raise
@@ -455,16 +465,17 @@ class Searcher:
                 raise
             raise _OptionFailed(option) from e
 
-    def _shortened_cut(self, batch_size: int, choice: tuple[int, ...], label: str = "none") -> RunCut:
-        """One probe on the shortened chain (repeats.py), cached."""
+    def _shortened_cut(self, batch_size: int, choice: tuple[int, ...], label: str = "none", step: tuple[int, int] = (1, 1)) -> RunCut:
+        """One probe on the shortened chain (repeats.py), cached; `step`: its place among this batch's probes."""
         key = (batch_size, choice)
         if key not in self._short_cuts:
             rep = self.repeat
             short = rep.short_units
-            self.progress(
-                f"probing batch {batch_size} on {len(short)} of {len(self.units)} blocks (identical blocks): "
-                f"{label} checkpointed"
+            self._say_probe(
+                f"probing batch {batch_size} on {len(short)} of {len(self.units)} blocks (identical blocks), "
+                f"{label} checkpointed", *step, "short"
             )
+            t0 = time.perf_counter()
             # after backward every configuration holds the same tensors (the gradients, the batch, the
             # loss): the optimizer step's moments are the no-checkpointing probe's at this batch, so the
             # other configurations leave the step out (docs/design.md §4)
@@ -472,6 +483,7 @@ class Searcher:
             with shortened(self.runner.model, rep), self._option_probe(label):
                 names = plan_entries(short, self.options, choice)
                 m = self.runner.measure(batch_size, checkpoint=names, units=short, optimizer_step=none is None)
+            self._probe_s.setdefault("short", []).append(time.perf_counter() - t0)
             self.runs += 1
             tl = m.timeline
             cut = cut_run(tl.live_at, tl.max_between, tl.markers, short, choice)
@@ -489,7 +501,10 @@ class Searcher:
         configs = probe_configs(len(short), len(self.options), lambda s, opt: self._has(rep.full_index(s), opt))
         order_b, order_cut, static = self._order_cut
         try:
-            cuts = [self._shortened_cut(batch_size, choice, label) for label, choice in configs.items()]
+            cuts = [
+                self._shortened_cut(batch_size, choice, label, (j + 1, len(configs)))
+                for j, (label, choice) in enumerate(configs.items())
+            ]
             # what the removed blocks add after backward (their gradients, the optimizer step's
             # temporaries) and to the first block's backward (their gradients): from the full-depth step
             none = self._shortened_cut(order_b, (0,) * len(short))
