@@ -29,9 +29,9 @@ class SpyRunner(StepRunner):
         super().__init__(*a, **k)
         self.batches: list[int] = []
 
-    def iteration(self, batch_size: int, accum_steps: int = 1) -> None:
+    def iteration(self, batch_size: int, *args, **kwargs) -> None:
         self.batches.append(batch_size)
-        super().iteration(batch_size, accum_steps)
+        super().iteration(batch_size, *args, **kwargs)
 
 
 def guard(fx, limit_bytes: int) -> tuple[HostGuard, SpyRunner]:
