@@ -184,9 +184,9 @@ def run_budget(ex, vram: str, blocks: tuple[str, ...], repeats: int) -> dict:
     counts = {"iterations": 0, "recorded": 0, "recorded_over_budget": 0}
     orig_iter, orig_measure = StepRunner.iteration, StepRunner.measure
 
-    def iteration(self, batch_size, accum_steps=1):
+    def iteration(self, batch_size, *a, **k):
         counts["iterations"] += 1
-        return orig_iter(self, batch_size, accum_steps)
+        return orig_iter(self, batch_size, *a, **k)
 
     def measure(self, *a, **k):
         m = orig_measure(self, *a, **k)
