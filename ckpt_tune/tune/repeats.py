@@ -157,15 +157,17 @@ def find_repeat(model: nn.Module, units: tuple[str, ...]) -> Repeat | None:
 
 
 @contextlib.contextmanager
-def shortened(model: nn.Module, rep: Repeat):
-    """The model with the run shortened (see the module docstring). Every gradient is freed first, so
-    the step's optimizer sees only the shortened model's; the removed blocks' are put back after."""
+def shortened(model: nn.Module, rep: Repeat, forward_only: bool = False):
+    """The model with the run shortened (see the module docstring). For a training step every gradient
+    is freed first, so the step's optimizer sees only the shortened model's, and the removed blocks' are
+    put back after; `forward_only`: no backward runs, every gradient stays as it is."""
     parent = model.get_submodule(rep.parent)
     full = parent._modules
-    removed = [p for k, m in full.items() if k not in rep.kept for p in m.parameters()]
+    removed = [] if forward_only else [p for k, m in full.items() if k not in rep.kept for p in m.parameters()]
     grads = [(p, p.grad) for p in removed]
-    for p in model.parameters():
-        p.grad = None
+    if not forward_only:
+        for p in model.parameters():
+            p.grad = None
     parent._modules = OrderedDict((k, full[k]) for k in rep.kept)
     try:
         yield

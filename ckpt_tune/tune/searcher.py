@@ -180,7 +180,7 @@ class Searcher:
         self.repeat: Repeat | None = None
         self._short_cuts: dict[tuple[int, tuple[int, ...]], RunCut] = {}
         self.stage_seconds: dict[str, float] = {}
-        self._probe_s: dict[str, list[float]] = {}  # seconds of each probe step recorded, "short" or "full"
+        self._probe_s: dict[str, list[float]] = {}  # seconds of each probe step recorded ("short", "full")
         self._dropped: set[str] = set()  # finer options whose probe step failed (never offered again)
         # (unit, policy) -> a policy's recompute time over the whole block's, measured by order_units
         self._ratios: dict[tuple[str, str], float] = {}
@@ -272,12 +272,17 @@ class Searcher:
             useful = [p for p in useful if dear[p] <= WORTH_A_POLICY]
         return [p for p in useful if policy_option(p) not in self._dropped]
 
-    def _say_probe(self, what: str, j: int, n: int, kind: str) -> None:
-        """Progress of probe j of n at a batch, with the time its remaining probes should take: as long
-        each as the probes of this kind (shortened or full depth) recorded so far."""
-        done = self._probe_s.get(kind)
+    @contextlib.contextmanager
+    def _probe_step(self, what: str, j: int, n: int, kind: str):
+        """One probe step, j of n at its batch: its progress line gives the time the remaining probes
+        should take, as long each as the probes of this kind (shortened or full depth) recorded so far;
+        the step's own time is added to those when it completes."""
+        done = self._probe_s.setdefault(kind, [])
         left = f", about {sum(done) / len(done) * (n - j + 1):.0f} s left at this batch" if done else ""
         self.progress(f"{what}: step {j} of {n}{left}")
+        t0 = time.perf_counter()
+        yield
+        done.append(time.perf_counter() - t0)
 
     def _recompute_shares(self, batch_size: int, policies, repeats: int = 3) -> dict[tuple[str, str], float]:
         """op_costs.recompute_shares of the chain; under fake tensors, identical blocks' on the shortened
@@ -285,13 +290,8 @@ class Searcher:
         rep = self.repeat if self.runner.fake else None
         if rep is None:
             return recompute_shares(self.runner, batch_size, self.units, policies, repeats)
-        grads = [(p, p.grad) for p in self.runner.model.parameters()]  # a forward only: the step's stay
-        try:
-            with shortened(self.runner.model, rep):
-                short = recompute_shares(self.runner, batch_size, rep.short_units, policies, repeats)
-        finally:
-            for p, g in grads:
-                p.grad = g
+        with shortened(self.runner.model, rep, forward_only=True):  # the last step's gradients stay
+            short = recompute_shares(self.runner, batch_size, rep.short_units, policies, repeats)
         ref = rep.extended()
         return {(u, p): short[(ref.get(u, u), p)] for u in self.units for p in policies}
 
@@ -434,13 +434,11 @@ class Searcher:
                 cuts.append(self._order_cut[1])  # order_units recorded this very step
                 static = self._order_cut[2]
                 continue
-            self._say_probe(f"probing batch {batch_size} ({label} checkpointed)", j + 1, len(configs), "full")
             names = self.names(choice)
-            t0 = time.perf_counter()
+            step = self._probe_step(f"probing batch {batch_size} ({label} checkpointed)", j + 1, len(configs), "full")
             try:
-                with self._option_probe(label):
+                with step, self._option_probe(label):
                     m = self.runner.measure(batch_size, checkpoint=names, units=self.units, accum_steps=self._kind)
-                self._probe_s.setdefault("full", []).append(time.perf_counter() - t0)
             except torch.OutOfMemoryError:
                 if batch_size in (self.b1, self.b2):
                     raise
@@ -471,19 +469,14 @@ class Searcher:
         if key not in self._short_cuts:
             rep = self.repeat
             short = rep.short_units
-            self._say_probe(
-                f"probing batch {batch_size} on {len(short)} of {len(self.units)} blocks (identical blocks), "
-                f"{label} checkpointed", *step, "short"
-            )
-            t0 = time.perf_counter()
+            what = f"probing batch {batch_size} on {len(short)} of {len(self.units)} blocks (identical blocks), {label} checkpointed"
             # after backward every configuration holds the same tensors (the gradients, the batch, the
             # loss): the optimizer step's moments are the no-checkpointing probe's at this batch, so the
             # other configurations leave the step out (docs/design.md §4)
             none = self._short_cuts.get((batch_size, (0,) * len(short)))
-            with shortened(self.runner.model, rep), self._option_probe(label):
+            with self._probe_step(what, *step, "short"), shortened(self.runner.model, rep), self._option_probe(label):
                 names = plan_entries(short, self.options, choice)
                 m = self.runner.measure(batch_size, checkpoint=names, units=short, optimizer_step=none is None)
-            self._probe_s.setdefault("short", []).append(time.perf_counter() - t0)
             self.runs += 1
             tl = m.timeline
             cut = cut_run(tl.live_at, tl.max_between, tl.markers, short, choice)
