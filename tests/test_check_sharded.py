@@ -17,8 +17,10 @@ from ckpt_tune import gate as ck
 from ckpt_tune.errors import BaselineError
 from ckpt_tune.measure.sharded import measure_sharded
 from ckpt_tune.tune.candidates import find_blocks
+from tests.test_check import B, check_args, one_line
 
-B = 4
+# B, check_args and one_line: the same batch and command line as the single-device check's
+
 HIDDEN = 48
 
 TARGET_SRC = f'''
@@ -72,14 +74,6 @@ def target(tmp_path: Path) -> str:
     path = tmp_path / "sharded_net.py"
     path.write_text(TARGET_SRC)
     return f"{path}:build"
-
-
-def check_args(target: str, baseline: Path, *extra: str) -> list[str]:
-    return ["check", target, "--baseline", str(baseline), "--device", "cpu", "--batch-size", str(B), *extra]
-
-
-def one_line(text: str) -> str:
-    return " ".join(text.split())
 
 
 def load_module(target: str):
