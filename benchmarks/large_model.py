@@ -1,19 +1,21 @@
 """Planning 7B/70B Hugging Face models under fake tensors: wall time, max RSS, recorded steps, exit code
-and plan, for this checkout and, side by side in the same run, for the same checkout recording every
-step at full depth (identical blocks not shortened), or for an earlier commit (issue 14).
+and plan, for this checkout and, side by side in the same run, for the same checkout in one process
+(CKPT_TUNE_WORKERS=1: no probe shared out over forked processes) and recording every step at full depth
+(identical blocks not shortened), or for an earlier commit (issue 14).
 
-    python benchmarks/large_model.py [--before full-depth | --before <commit>] [--only 7b]
+    python benchmarks/large_model.py [--before full-depth | --before <commit>] [--only 7b] [--no-one-process]
 
 Each command runs in a fresh child process whose checkout comes first on sys.path; the child reports
-its own peak RSS (getrusage) at exit. The rule: where both checkouts find a plan, this checkout's is the
-same batch with the same or a lower predicted recompute; where the earlier one exits 3 (nothing fits),
-so does this one.
+its own peak RSS and the largest of the processes it forked (getrusage) at exit. The rule: where both
+checkouts find a plan, this checkout's is the same batch with the same or a lower predicted recompute;
+where the earlier one exits 3 (nothing fits), so does this one; the one-process run finds the same plan.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -36,7 +38,8 @@ COMMANDS = {
 CHILD = """
 import atexit, resource, sys
 sys.path.insert(0, {root!r})
-atexit.register(lambda: print("BENCH_RSS_KIB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr))
+atexit.register(lambda: print("BENCH_RSS_KIB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                              resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr))
 sys.argv = ["ckpt-tune", "search", *{args!r}, "--json"]
 if {full_depth!r}:  # every probe at full depth: no run of identical blocks is shortened
     import ckpt_tune.tune.searcher
@@ -47,17 +50,23 @@ main()
 FULL_DEPTH = "full-depth"
 
 
-def run(checkout: Path, args: list[str], timeout: int, full_depth: bool = False) -> dict:
+def run(checkout: Path, args: list[str], timeout: int, full_depth: bool = False, workers: str | None = None) -> dict:
+    """One command in a fresh process; `workers`: CKPT_TUNE_WORKERS for it (None: the tool's default)."""
     t0 = time.perf_counter()
+    env = {k: v for k, v in os.environ.items() if k != "CKPT_TUNE_WORKERS"}
+    if workers is not None:
+        env["CKPT_TUNE_WORKERS"] = workers
     try:
         child = CHILD.format(root=str(checkout), args=args, full_depth=full_depth)
-        p = subprocess.run([sys.executable, "-c", child], cwd=checkout,
+        p = subprocess.run([sys.executable, "-c", child], cwd=checkout, env=env,
                            capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"exit_code": None, "wall_s": round(time.perf_counter() - t0, 1), "error": f"timed out after {timeout} s"}
     wall = time.perf_counter() - t0
-    rss = [int(line.split()[1]) for line in p.stderr.splitlines() if line.startswith("BENCH_RSS_KIB")]
-    out: dict = {"exit_code": p.returncode, "wall_s": round(wall, 1), "max_rss_mib": round(rss[-1] / 1024) if rss else None}
+    rss = [line.split()[1:] for line in p.stderr.splitlines() if line.startswith("BENCH_RSS_KIB")]
+    out: dict = {"exit_code": p.returncode, "wall_s": round(wall, 1), "max_rss_mib": round(int(rss[-1][0]) / 1024) if rss else None,
+                 # the largest forked probe process (0: none was forked)
+                 "forked_max_rss_mib": round(int(rss[-1][1]) / 1024) if rss else None}
     try:
         data = json.loads(p.stdout)
     except json.JSONDecodeError:
@@ -106,6 +115,7 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true",
                     help="keep the rows of results/large_model.json that --only does not name, run the others")
     ap.add_argument("--no-before", action="store_true", help="run this checkout only (rows say 'not compared')")
+    ap.add_argument("--no-one-process", action="store_true", help="leave out the run of this checkout in one process")
     a = ap.parse_args()
     tree = Path("/tmp/i14/before")
     if not a.no_before and a.before != FULL_DEPTH and not tree.exists():
@@ -118,12 +128,17 @@ def main() -> None:
         args = COMMANDS[name]
         after = run(ROOT, args, a.timeout)
         print(name, "after", after, file=sys.stderr, flush=True)
+        one = {} if a.no_one_process else run(ROOT, args, a.timeout, workers="1")
+        if one:
+            print(name, "one process", one, file=sys.stderr, flush=True)
         if a.no_before:
             rows[name] = {"args": args, "before": {}, "after": after, "verdict": "not compared (--no-before)"}
         else:
             before = run(ROOT, args, a.timeout, full_depth=True) if a.before == FULL_DEPTH else run(tree, args, a.timeout)
             print(name, "before", before, file=sys.stderr, flush=True)
             rows[name] = {"args": args, "before": before, "after": after, "verdict": verdict(before, after)}
+        if one:
+            rows[name].update(one_process=one, one_process_verdict=verdict(one, after))
         report(rows, a.before)  # after every command: a long run keeps what it measured
     report(rows, a.before)
 
@@ -142,28 +157,32 @@ def report(rows: dict, before_commit: str) -> None:
            "shortened; the benchmark's child process disables `find_repeat`)." if a_before == FULL_DEPTH else "")
         if compared else "This checkout only (--no-before): no rule applies.",
         "",
-        "| command | checkout | exit | wall s | max RSS MiB | recorded steps | batch | checkpoints | recompute | "
+        "| command | checkout | exit | wall s | max RSS MiB (this / largest forked) | recorded steps | batch | checkpoints | recompute | "
         "predicted / verified GiB per GPU | sharding | verdict |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    names = {"before": a_before, "after": "this (shortened)" if a_before == FULL_DEPTH else "this",
+             "one_process": "this, one process"}
     for name, r in rows.items():
-        for label in ("before", "after"):
-            x = r[label]
+        for label in ("after", "one_process", "before"):
+            x = r.get(label)
             if not x:
                 continue
+            say = r["verdict"] if label == "after" else r.get("one_process_verdict", "") if label == "one_process" else ""
             lines.append(
-                f"| {name} | {a_before if label == 'before' else 'this (shortened)' if a_before == FULL_DEPTH else 'this'} | {x.get('exit_code')} | {x.get('wall_s')} | "
-                f"{x.get('max_rss_mib')} | {x.get('recorded_steps', '-')} | {x.get('batch_size', '-')} | "
+                f"| {name} | {names[label]} | {x.get('exit_code')} | {x.get('wall_s')} | "
+                f"{x.get('max_rss_mib')} / {x.get('forked_max_rss_mib', '-')} | {x.get('recorded_steps', '-')} | {x.get('batch_size', '-')} | "
                 f"{len(x['checkpoint']) if 'checkpoint' in x else '-'} | {x.get('predicted_recompute_fraction', '-')} | "
-                f"{_gib(x, 'predicted_peak_bytes')} / {_gib(x, 'verified_peak_bytes')} | {x.get('sharding', '-')} | "
-                f"{r['verdict'] if label == 'after' else ''} |"
+                f"{_gib(x, 'predicted_peak_bytes')} / {_gib(x, 'verified_peak_bytes')} | {x.get('sharding', '-')} | {say} |"
             )
     for name, r in rows.items():
         if "error" in r["after"] and "error" in r.get("before", {}):
             same = "identical" if r["after"]["error"] == r["before"]["error"] else "DIFFERENT"
             lines += ["", f"{name}: error messages {same}: `{r['after']['error'][:200]}`"]
-    lines += ["", "Timings were taken on a shared 2-core machine under load (load average above): compare the two "
-              "checkouts within a row, run one after the other."]
+    lines += ["", "Verdict of the one-process row: against the default run (the same plan expected). Timings: compare "
+              "the runs of one command, made one after the other on the machine above; the default run shares probe "
+              "steps and frontier solves out over forked processes, one per core (CKPT_TUNE_WORKERS), and the "
+              "largest forked process's RSS is the second RSS figure (0: none was forked)."]
     lines += ["", "Commands: `ckpt-tune search <args> --json`, with:", ""]
     lines += [f"- {name}: `{' '.join(r['args'])}`" for name, r in rows.items()]
     lines += ["", "Stage seconds (this checkout): " + "; ".join(f"{n}: {r['after'].get('stage_seconds')}" for n, r in rows.items())]

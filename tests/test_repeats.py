@@ -3,12 +3,15 @@ extended to full depth must equal the terms recorded at full depth, to the byte.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ckpt_tune.measure import fake_inputs, loader
+from ckpt_tune.measure.forked import WORKERS_ENV
 from ckpt_tune.measure.runner import StepRunner, StepSettings
 from ckpt_tune.tune.repeats import find_repeat
 from ckpt_tune.tune.searcher import Searcher
@@ -191,7 +194,8 @@ def test_the_states_after_ordering_are_the_full_models():
         assert grads == params
 
 
-def test_progress_names_each_probe_and_the_time_left_at_its_batch():
+def test_progress_names_each_probe_and_the_time_left_at_its_batch(monkeypatch):
+    monkeypatch.setenv(WORKERS_ENV, "1")  # one process: every probe is this one's
     with _runner("cuda", Decoder) as runner:
         said: list[str] = []
         s = Searcher(runner, progress=said.append)
@@ -202,3 +206,23 @@ def test_progress_names_each_probe_and_the_time_left_at_its_batch():
     assert n == len(s.options) + 2  # none, all, even, odd, and one run per finer option
     assert probes[0].endswith(f"none checkpointed: step 1 of {n}")  # nothing timed yet: no estimate
     assert all(f": step {j} of {n}, about " in m and m.endswith(" s left at this batch") for j, m in enumerate(probes[1:], 2))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="probes are shared out over forked processes on Linux only")
+def test_probes_shared_out_over_two_processes_give_the_same_terms(monkeypatch):
+    """The probes at a batch recorded by two processes (measure/forked.py): the same terms, to the
+    byte, as one process records; every probe is counted and timed; this process names its own."""
+    got = {}
+    for workers in ("1", "2"):
+        monkeypatch.setenv(WORKERS_ENV, workers)
+        with _runner("cuda", Decoder) as runner:
+            said: list[str] = []
+            s = Searcher(runner, progress=said.append)
+            s.order_units(1)
+            got[workers] = (s.terms(4), s.runs, len(s._probe_s["short"]), said)
+    (t4, runs, timed, _), (u4, runs2, timed2, said) = got["1"], got["2"]
+    assert t4 == u4
+    assert (runs, timed) == (runs2, timed2)
+    mine = [m for m in said if m.startswith("probing batch 4 on 6 of 8 blocks") and "(2 processes)" in m]
+    assert mine
+    assert len(mine) < len(s.options) + 2  # the other process's probes are silent

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -21,6 +22,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from ckpt_tune.errors import NoFitError, UserCodeError
+from ckpt_tune.measure.forked import fork_map, resident_bytes, usable_workers
 from ckpt_tune.measure.op_costs import policy_ratios, recompute_shares
 from ckpt_tune.measure.runner import StepRunner, Timing, unique_bytes
 from ckpt_tune.measure.sharded import ShardedRunner
@@ -181,6 +183,8 @@ class Searcher:
         self._short_cuts: dict[tuple[int, tuple[int, ...]], RunCut] = {}
         self.stage_seconds: dict[str, float] = {}
         self._probe_s: dict[str, list[float]] = {}  # seconds of each probe step recorded ("short", "full")
+        self._pid = os.getpid()  # a forked process that records probes (measure/forked.py) is not this one
+        self._forks = False  # probes may be shared out over forked processes (set by order_units)
         self._dropped: set[str] = set()  # finer options whose probe step failed (never offered again)
         # (unit, policy) -> a policy's recompute time over the whole block's, measured by order_units
         self._ratios: dict[tuple[str, str], float] = {}
@@ -225,6 +229,8 @@ class Searcher:
         # step would fool
         plain = type(self.runner) is StepRunner or type(self.runner) is ShardedRunner
         self.repeat = find_repeat(self.runner.model, self.units) if plain else None
+        # fake steps allocate nothing and compete for no RAM: independent probes may run side by side
+        self._forks = plain and self.runner.fake
         subs = find_sub_options(self.runner.model, self.units) if "submodules" in self.candidates else []
         policies = self._useful_policies(batch_size) if "ops" in self.candidates else []
         self.options = ("none", "block", *subs, *(policy_option(p) for p in policies))
@@ -273,13 +279,16 @@ class Searcher:
         return [p for p in useful if policy_option(p) not in self._dropped]
 
     @contextlib.contextmanager
-    def _probe_step(self, what: str, j: int, n: int, kind: str):
+    def _probe_step(self, what: str, j: int, n: int, kind: str, workers: int = 1):
         """One probe step, j of n at its batch: its progress line gives the time the remaining probes
-        should take, as long each as the probes of this kind (shortened or full depth) recorded so far;
-        the step's own time is added to those when it completes."""
+        should take, as long each as the probes of this kind (shortened or full depth) recorded so far,
+        `workers` at a time; the step's own time is added to those when it completes. In a forked
+        process (measure/forked.py) the step is silent: its time comes back with its cut."""
         done = self._probe_s.setdefault(kind, [])
-        left = f", about {sum(done) / len(done) * (n - j + 1):.0f} s left at this batch" if done else ""
-        self.progress(f"{what}: step {j} of {n}{left}")
+        if os.getpid() == self._pid:
+            left = f", about {sum(done) / len(done) * -(-(n - j + 1) // workers):.0f} s left at this batch" if done else ""
+            on = f" ({workers} processes)" if workers > 1 else ""
+            self.progress(f"{what}: step {j} of {n}{on}{left}")
         t0 = time.perf_counter()
         yield
         done.append(time.perf_counter() - t0)
@@ -425,31 +434,40 @@ class Searcher:
         return t
 
     def _full_terms(self, batch_size: int) -> Terms | None:
-        """Terms from the probe runs at full depth; None when a probe ran out of device memory."""
+        """Terms from the probe runs at full depth; None when a probe ran out of device memory. Under
+        fake tensors the probes are shared out over the cores (measure/forked.py)."""
         configs = probe_configs(len(self.units), len(self.options), self._has)
-        cuts = []
-        static = 0
-        for j, (label, choice) in enumerate(configs.items()):
-            if self._order_cut is not None and self._kind == 1 and self._order_cut[0] == batch_size and not any(choice):
-                cuts.append(self._order_cut[1])  # order_units recorded this very step
-                static = self._order_cut[2]
-                continue
-            names = self.names(choice)
-            step = self._probe_step(f"probing batch {batch_size} ({label} checkpointed)", j + 1, len(configs), "full")
-            try:
-                with step, self._option_probe(label):
-                    m = self.runner.measure(batch_size, checkpoint=names, units=self.units, accum_steps=self._kind)
-            except torch.OutOfMemoryError:
-                if batch_size in (self.b1, self.b2):
-                    raise
-                m = None
-            if m is None:  # outside the except clause, so the failed step's tensors are gone
-                return None
+        n = len(configs)
+        reuse = self._order_cut is not None and self._kind == 1 and self._order_cut[0] == batch_size
+        todo = [(j, label, choice) for j, (label, choice) in enumerate(configs.items()) if not (reuse and not any(choice))]
+        workers = usable_workers(len(todo), resident_bytes()) if self._forks and todo else 1
+        try:
+            got = fork_map(lambda t: self._record_full(batch_size, *t, n, workers), todo, workers)
+        except torch.OutOfMemoryError:
+            if batch_size in (self.b1, self.b2):
+                raise
+            return None  # the failed step's tensors are gone with the exception
+        cuts, static = [], 0
+        if reuse:  # order_units recorded the no-checkpointing step at this batch
+            cuts.append(self._order_cut[1])
+            static = self._order_cut[2]
+        for cut, static_bytes, seconds, pid in got:
             self.runs += 1
-            tl = m.timeline
-            cuts.append(cut_run(tl.live_at, tl.max_between, tl.markers, self.units, choice, pick=-1))
-            static = m.static_bytes
+            cuts.append(cut)
+            static = static_bytes
+            if pid != os.getpid():
+                self._probe_s.setdefault("full", []).append(seconds)
         return combine(cuts, self.units, static, batch_size, self.options)
+
+    def _record_full(self, batch_size: int, j: int, label: str, choice: tuple[int, ...], n: int, workers: int) -> tuple[RunCut, int, float, int]:
+        """(cut, static bytes, seconds, pid of the process that recorded it) of probe j of n at full
+        depth; it changes nothing of the searcher's, so a forked process can run it."""
+        t0 = time.perf_counter()
+        with self._probe_step(f"probing batch {batch_size} ({label} checkpointed)", j + 1, n, "full", workers), self._option_probe(label):
+            m = self.runner.measure(batch_size, checkpoint=self.names(choice), units=self.units, accum_steps=self._kind)
+        tl = m.timeline
+        cut = cut_run(tl.live_at, tl.max_between, tl.markers, self.units, choice, pick=-1)
+        return cut, m.static_bytes, time.perf_counter() - t0, os.getpid()
 
     @contextlib.contextmanager
     def _option_probe(self, label: str):
@@ -467,24 +485,53 @@ class Searcher:
         """One probe on the shortened chain (repeats.py), cached; `step`: its place among this batch's probes."""
         key = (batch_size, choice)
         if key not in self._short_cuts:
-            rep = self.repeat
-            short = rep.short_units
-            what = f"probing batch {batch_size} on {len(short)} of {len(self.units)} blocks (identical blocks), {label} checkpointed"
-            # after backward every configuration holds the same tensors (the gradients, the batch, the
-            # loss): the optimizer step's moments are the no-checkpointing probe's at this batch, so the
-            # other configurations leave the step out (docs/design.md §4)
-            none = self._short_cuts.get((batch_size, (0,) * len(short)))
-            with self._probe_step(what, *step, "short"), shortened(self.runner.model, rep), self._option_probe(label):
-                names = plan_entries(short, self.options, choice)
-                m = self.runner.measure(batch_size, checkpoint=names, units=short, optimizer_step=none is None)
-            self.runs += 1
-            tl = m.timeline
-            cut = cut_run(tl.live_at, tl.max_between, tl.markers, short, choice)
-            if none is not None:
-                after = none.after
-                cut = replace(cut, after=after, fixed=max(cut.before, after), peak_above_static=max(cut.peak_above_static, after))
-            self._short_cuts[key] = cut
+            self._keep_short(key, *self._record_short(batch_size, choice, label, step))
         return self._short_cuts[key]
+
+    def _record_short(self, batch_size: int, choice: tuple[int, ...], label: str, step: tuple[int, int], workers: int = 1) -> tuple[RunCut, float, int]:
+        """(cut, seconds, pid of the process that recorded it) of one probe on the shortened chain. It
+        changes nothing of the searcher's, so a forked process can run it (measure/forked.py)."""
+        rep = self.repeat
+        short = rep.short_units
+        what = f"probing batch {batch_size} on {len(short)} of {len(self.units)} blocks (identical blocks), {label} checkpointed"
+        # after backward every configuration holds the same tensors (the gradients, the batch, the
+        # loss): the optimizer step's moments are the no-checkpointing probe's at this batch, so the
+        # other configurations leave the step out (docs/design.md §4)
+        none = self._short_cuts.get((batch_size, (0,) * len(short)))
+        t0 = time.perf_counter()
+        with self._probe_step(what, *step, "short", workers), shortened(self.runner.model, rep), self._option_probe(label):
+            names = plan_entries(short, self.options, choice)
+            m = self.runner.measure(batch_size, checkpoint=names, units=short, optimizer_step=none is None)
+        seconds = time.perf_counter() - t0
+        tl = m.timeline
+        cut = cut_run(tl.live_at, tl.max_between, tl.markers, short, choice)
+        if none is not None:
+            after = none.after
+            cut = replace(cut, after=after, fixed=max(cut.before, after), peak_above_static=max(cut.peak_above_static, after))
+        return cut, seconds, os.getpid()
+
+    def _keep_short(self, key: tuple[int, tuple[int, ...]], cut: RunCut, seconds: float, pid: int) -> None:
+        self.runs += 1
+        self._short_cuts[key] = cut
+        if pid != os.getpid():  # recorded in a forked process: its time comes back with the cut
+            self._probe_s.setdefault("short", []).append(seconds)
+
+    def _shortened_cuts(self, batch_size: int, configs: dict[str, tuple[int, ...]]) -> list[RunCut]:
+        """Every probe of `configs` on the shortened chain at this batch: the no-checkpointing one first
+        (the others take the optimizer step's moments from it), the others shared out over the cores
+        (measure/forked.py), each as it would be recorded alone."""
+        items = list(enumerate(configs.items()))
+        n = len(items)
+        todo = [(j, label, choice) for j, (label, choice) in items if (batch_size, choice) not in self._short_cuts]
+        first = [t for t in todo if not any(t[2])]
+        for j, label, choice in first:
+            self._shortened_cut(batch_size, choice, label, (j + 1, n))
+        rest = [t for t in todo if any(t[2])]
+        workers = usable_workers(len(rest), resident_bytes()) if self._forks and rest else 1
+        got = fork_map(lambda t: self._record_short(batch_size, t[2], t[1], (t[0] + 1, n), workers), rest, workers)
+        for (_j, _label, choice), res in zip(rest, got):
+            self._keep_short((batch_size, choice), *res)
+        return [self._short_cuts[(batch_size, choice)] for _j, (_label, choice) in items]
 
     def _shortened_terms(self, batch_size: int) -> Terms | None:
         """Full-depth terms extended from probes on the shortened chain (repeats.extend); None when a
@@ -494,10 +541,7 @@ class Searcher:
         configs = probe_configs(len(short), len(self.options), lambda s, opt: self._has(rep.full_index(s), opt))
         order_b, order_cut, static = self._order_cut
         try:
-            cuts = [
-                self._shortened_cut(batch_size, choice, label, (j + 1, len(configs)))
-                for j, (label, choice) in enumerate(configs.items())
-            ]
+            cuts = self._shortened_cuts(batch_size, configs)
             # what the removed blocks add after backward (their gradients, the optimizer step's
             # temporaries) and to the first block's backward (their gradients): from the full-depth step
             none = self._shortened_cut(order_b, (0,) * len(short))
@@ -762,16 +806,20 @@ class Searcher:
     def frontier(self, budget: int, batch_sizes: list[int], b1: int, b2: int, timed_at: int) -> list[FrontierRow]:
         """Best plan per batch size on fitted terms; recompute as a fraction of the step timed at `timed_at`."""
         costs, step = self.costs(timed_at), self.step_ms(timed_at)
-        rows = []
-        for b in batch_sizes:
+        self.terms(b1), self.terms(b2)  # probed here, before the solves are shared out
+
+        def row(b: int) -> FrontierRow:
             t = self.fitted(b, b1, b2)
             sol = solve(t, costs, budget)
             if sol is None:
                 mp = min_peak(t, costs)
-                rows.append(FrontierRow(b, mp.names(t), mp.peak, round(mp.cost / step, 4), False))
-            else:
-                rows.append(FrontierRow(b, sol.names(t), sol.peak, round(sol.cost / step, 4), True))
-        return rows
+                return FrontierRow(b, mp.names(t), mp.peak, round(mp.cost / step, 4), False)
+            return FrontierRow(b, sol.names(t), sol.peak, round(sol.cost / step, 4), True)
+
+        # each batch's solve is pure arithmetic on recorded terms: under fake tensors, where a 70B's
+        # loose budget at batch 1 makes a large DP, they are shared out over the cores (measure/forked.py)
+        workers = usable_workers(len(batch_sizes), resident_bytes()) if self._forks else 1
+        return fork_map(row, batch_sizes, workers)
 
     def _states(self) -> tuple[int, int, int]:
         """(parameters, gradients, optimizer state) on one GPU, as of the last recorded step."""

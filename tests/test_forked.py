@@ -1,0 +1,87 @@
+"""fork_map (ckpt_tune/measure/forked.py): items shared out over forked processes come back in order,
+a failure raises as a loop's would, a child that dies has its items run here, and the number of
+processes follows the cores, the items, the RAM and CKPT_TUNE_WORKERS."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from ckpt_tune.errors import CkptTuneError
+from ckpt_tune.measure import forked
+from ckpt_tune.measure.forked import WORKERS_ENV, fork_map, usable_workers
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="fork is used on Linux only")
+
+PARENT = os.getpid()
+
+
+def _where(x):
+    """(x, whether this process is the test's own)."""
+    return x, os.getpid() == PARENT
+
+
+class Refused(Exception):
+    pass
+
+
+def _fails_at(bad):
+    def fn(x):
+        if x == bad:
+            try:
+                raise ValueError(f"item {x}")
+            except ValueError as e:
+                raise Refused(str(x)) from e
+        return x
+
+    return fn
+
+
+def test_results_come_back_in_item_order_from_every_process():
+    got = fork_map(_where, list(range(7)), 3)
+    assert [x for x, _ in got] == list(range(7))
+    assert [mine for _, mine in got] == [k % 3 == 0 for k in range(7)]  # item k ran in process k % 3
+
+
+def test_one_worker_is_a_plain_loop_in_this_process():
+    assert fork_map(_where, [1, 2, 3], 1) == [(1, True), (2, True), (3, True)]
+
+
+@pytest.mark.parametrize("bad", [1, 2])  # in a child's share, in this process's share
+def test_the_first_failure_in_item_order_raises_with_its_cause(bad):
+    with pytest.raises(Refused, match=str(bad)) as info:
+        fork_map(_fails_at(bad), [0, 1, 2, 3], 2)
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_the_items_of_a_child_that_dies_run_in_this_process():
+    def dies_in_a_child(x):
+        if x == 1 and os.getpid() != PARENT:
+            os._exit(3)
+        return _where(x)
+
+    assert fork_map(dies_in_a_child, [0, 1, 2, 3], 2) == [(0, True), (1, True), (2, True), (3, True)]
+
+
+def test_no_child_outlives_the_call():
+    fork_map(_where, list(range(4)), 4)
+    with pytest.raises(ChildProcessError):
+        os.waitpid(-1, os.WNOHANG)
+
+
+def test_workers_follow_the_items_the_ram_and_the_environment(monkeypatch):
+    monkeypatch.delenv(WORKERS_ENV, raising=False)
+    monkeypatch.setattr(forked, "host_headroom", lambda: 100 << 30)
+    cores = len(os.sched_getaffinity(0))
+    assert usable_workers(64, 1 << 20) == min(64, cores)
+    assert usable_workers(1, 1 << 20) == 1
+    monkeypatch.setattr(forked, "host_headroom", lambda: 0)  # no room for a copy of this process
+    assert usable_workers(64, 1 << 20) == 1
+    monkeypatch.setattr(forked, "host_headroom", lambda: 100 << 30)
+    monkeypatch.setenv(WORKERS_ENV, "3")
+    assert usable_workers(64, 1 << 20) == 3
+    monkeypatch.setenv(WORKERS_ENV, "many")
+    with pytest.raises(CkptTuneError, match=WORKERS_ENV):
+        usable_workers(64, 1 << 20)
