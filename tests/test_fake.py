@@ -353,6 +353,50 @@ def test_build_allocates_nothing():
     assert _rss() - before < 64 << 20
 
 
+_BUILD_UNDER_A_LIMIT = """
+import resource, sys, torch
+from torch import nn
+from ckpt_tune.measure import fake_inputs, loader
+with open("/proc/self/status") as f:
+    size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize"))
+resource.setrlimit(resource.RLIMIT_AS, (size + (3 << 30), resource.RLIM_INFINITY))
+build = lambda: nn.Sequential(*[nn.Linear(16384, 16384) for _ in range(8)])  # 8 GiB of fp32 weights
+target = loader.Target(spec="t", module_name="t", file_path=None, fn_name="build", build_fn=build,
+                       batch_fn=None, loss_fn=None, batch_source="t", loss_source="t")
+model = fake_inputs.build_fake_model(target)
+print(sum(p.untyped_storage().nbytes() for p in model.parameters()) >> 30)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/status")
+def test_build_holds_one_layer_of_address_space_at_a_time():
+    """Under an address-space limit (`ulimit -v`) of 3 GiB above what the process maps, a model of eight
+    1 GiB layers is built: each real tensor a constructor makes is freed when its meta copy replaces it."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, "-c", _BUILD_UNDER_A_LIMIT], cwd=root, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["8"]
+
+
+def test_a_buffer_registered_twice_while_alive_is_one_meta_tensor():
+    shared = torch.zeros(4)
+
+    def build():
+        a, b = nn.Module(), nn.Module()
+        a.register_buffer("x", shared)
+        b.register_buffer("x", shared)
+        return nn.ModuleDict({"a": a, "b": b})
+
+    target = loader.Target(
+        spec="t", module_name="t", file_path=None, fn_name="build", build_fn=build,
+        batch_fn=None, loss_fn=None, batch_source="t", loss_source="t",
+    )  # fmt: skip
+    model = fake_inputs.build_fake_model(target)
+    assert model["a"].x is model["b"].x
+
+
 class _NonzeroModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -4,6 +4,7 @@ allocate nothing (docs/design.md §3). Recording them is fake.py's job."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -89,16 +90,21 @@ def _meta_registration() -> Iterator[None]:
     computes on the side stays real and exact (stochastic-depth rates from `torch.linspace(...).tolist()`
     in ConvNeXt, Swin and ViT, index tables); what becomes model state is meta before any initialiser
     runs on it (torch's initialisers skip meta tensors). The real tensor a constructor makes first is an
-    untouched `torch.empty` (the allocator maps pages only when they are written), freed on replacement.
-    A tensor registered twice (tied weights) maps to one meta tensor. docs/design.md §3.
+    untouched `torch.empty` (the allocator maps pages only when they are written), freed on replacement:
+    only one layer's real tensors exist at a time, so an address-space limit (`ulimit -v`) far below the
+    model's size holds the build. A tensor registered twice while alive (a buffer shared by two modules)
+    maps to one meta tensor. docs/design.md §3.
     """
-    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(real) -> (real, meta); real kept: ids stay unique
+    # id(real) -> (a weak reference to it, its meta tensor); the entry goes when the real tensor does,
+    # so a later tensor that reuses its id is not taken for it
+    made: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
 
     def to_meta(t: torch.Tensor, param: bool) -> torch.Tensor:
-        if id(t) not in made:
+        key = id(t)
+        if key not in made or made[key][0]() is not t:
             meta = t.detach().to("meta")
-            made[id(t)] = (t, nn.Parameter(meta, requires_grad=t.requires_grad) if param else meta)
-        return made[id(t)][1]
+            made[key] = (weakref.ref(t, lambda _r, k=key: made.pop(k, None)), nn.Parameter(meta, requires_grad=t.requires_grad) if param else meta)
+        return made[key][1]
 
     def on_parameter(_module: nn.Module, _name: str, p: Any) -> Any:
         # parameter subclasses (quantised weights) keep their type: converted after the build
