@@ -83,35 +83,34 @@ def _portable(exc: BaseException) -> tuple[BaseException, BaseException | None]:
     return one(exc), one(exc.__cause__)
 
 
-def _child(fn: Callable[[T], R], mine: Sequence[T], write_fd: int) -> None:
-    """A forked child's whole life: run its items, send [("ok", result) | ("error", (exc, cause))], exit."""
-    code = 0
-    try:
-        # nothing of the parent's output (a spinner's thread may hold its lock): a child is silent
-        sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the process ends below
-        out: list[tuple[str, Any]] = []
-        for item in mine:
-            try:
-                out.append(("ok", fn(item)))
-            except BaseException as e:  # every failure goes back to the parent
-                out.append(("error", _portable(e)))
-                break
-        data = pickle.dumps(out)
-        with os.fdopen(write_fd, "wb") as w:
-            w.write(data)
-    except BaseException:  # the parent sees a short answer and runs the items itself
-        code = 1
-    finally:
-        os._exit(code)
-
-
 def _run_share(fn, items, share, results) -> None:
+    """Items `share` of `items` in this process, into `results` (index -> ("ok", value) or ("error",
+    (exception, cause))); it stops at the first failure, as a loop would."""
     for k in share:
         try:
             results[k] = ("ok", fn(items[k]))
         except Exception as e:
             results[k] = ("error", (e, e.__cause__))
             break
+
+
+def _child(fn: Callable[[T], R], items: Sequence[T], share: Sequence[int], write_fd: int) -> None:
+    """A forked child's whole life: run its share, send the results (exceptions made portable), exit."""
+    code = 0
+    try:
+        # nothing of the parent's output (a spinner's thread may hold its lock): a child is silent
+        sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the process ends below
+        results: dict[int, tuple[str, Any]] = {}
+        _run_share(fn, items, share, results)
+        for k, (kind, value) in results.items():
+            if kind == "error":
+                results[k] = (kind, _portable(value[0]))
+        with os.fdopen(write_fd, "wb") as w:
+            w.write(pickle.dumps(results))
+    except BaseException:  # the parent sees a short answer and runs the items itself
+        code = 1
+    finally:
+        os._exit(code)
 
 
 def fork_map(fn: Callable[[T], R], items: Sequence[T], workers: int) -> list[R]:
@@ -141,7 +140,7 @@ def fork_map(fn: Callable[[T], R], items: Sequence[T], workers: int) -> list[R]:
                 pid = os.fork()
             if pid == 0:  # pragma: no cover - the child's coverage is not collected
                 os.close(r)
-                _child(fn, [items[k] for k in share], w)
+                _child(fn, items, share, w)
             os.close(w)
             children.append((pid, r, share))
     finally:
@@ -158,11 +157,10 @@ def fork_map(fn: Callable[[T], R], items: Sequence[T], workers: int) -> list[R]:
                 unread.discard(r)
             _pid, status = os.waitpid(pid, 0)
             unreaped.discard(pid)
-            got = pickle.loads(data) if data and status == 0 else None
-            if got is None:  # the child died: its items are run here
+            if data and status == 0:
+                results.update(pickle.loads(data))
+            else:  # the child died: its items are run here
                 _run_share(fn, items, share, results)
-            else:
-                results.update(zip(share, got))
     finally:  # interrupted: no child outlives the call
         for r in unread:
             with contextlib.suppress(OSError):

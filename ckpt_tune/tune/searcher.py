@@ -280,18 +280,29 @@ class Searcher:
 
     @contextlib.contextmanager
     def _probe_step(self, what: str, j: int, n: int, kind: str, workers: int = 1):
-        """One probe step, j of n at its batch: its progress line gives the time the remaining probes
-        should take, as long each as the probes of this kind (shortened or full depth) recorded so far,
-        `workers` at a time; the step's own time is added to those when it completes. In a forked
-        process (measure/forked.py) the step is silent: its time comes back with its cut."""
-        done = self._probe_s.setdefault(kind, [])
+        """One probe step, j of n at its batch, timed: yields a list that holds its seconds when it
+        completes (`_timed` adds them to this kind's). Its progress line gives the time the remaining
+        probes should take, as long each as the probes of this kind (shortened or full depth) recorded
+        so far, `workers` at a time. In a forked process (measure/forked.py) the step is silent."""
+        done = self._probe_s.get(kind, [])
         if os.getpid() == self._pid:
             left = f", about {sum(done) / len(done) * -(-(n - j + 1) // workers):.0f} s left at this batch" if done else ""
             on = f" ({workers} processes)" if workers > 1 else ""
             self.progress(f"{what}: step {j} of {n}{on}{left}")
+        seconds: list[float] = []
         t0 = time.perf_counter()
-        yield
-        done.append(time.perf_counter() - t0)
+        yield seconds
+        seconds.append(time.perf_counter() - t0)
+
+    def _timed(self, kind: str, seconds: float) -> None:
+        """A probe step of this kind recorded (here or in a forked process) in `seconds`."""
+        self.runs += 1
+        self._probe_s.setdefault(kind, []).append(seconds)
+
+    def _workers(self, items: int) -> int:
+        """Processes to share `items` independent probe steps or solves out over (measure/forked.py):
+        one, unless the steps are fake (order_units decides)."""
+        return usable_workers(items, resident_bytes()) if self._forks and items else 1
 
     def _recompute_shares(self, batch_size: int, policies, repeats: int = 3) -> dict[tuple[str, str], float]:
         """op_costs.recompute_shares of the chain; under fake tensors, identical blocks' on the shortened
@@ -440,7 +451,7 @@ class Searcher:
         n = len(configs)
         reuse = self._order_cut is not None and self._kind == 1 and self._order_cut[0] == batch_size
         todo = [(j, label, choice) for j, (label, choice) in enumerate(configs.items()) if not (reuse and not any(choice))]
-        workers = usable_workers(len(todo), resident_bytes()) if self._forks and todo else 1
+        workers = self._workers(len(todo))
         try:
             got = fork_map(lambda t: self._record_full(batch_size, *t, n, workers), todo, workers)
         except torch.OutOfMemoryError:
@@ -451,23 +462,19 @@ class Searcher:
         if reuse:  # order_units recorded the no-checkpointing step at this batch
             cuts.append(self._order_cut[1])
             static = self._order_cut[2]
-        for cut, static_bytes, seconds, pid in got:
-            self.runs += 1
+        for cut, static_bytes, seconds in got:
+            self._timed("full", seconds)
             cuts.append(cut)
             static = static_bytes
-            if pid != os.getpid():
-                self._probe_s.setdefault("full", []).append(seconds)
         return combine(cuts, self.units, static, batch_size, self.options)
 
-    def _record_full(self, batch_size: int, j: int, label: str, choice: tuple[int, ...], n: int, workers: int) -> tuple[RunCut, int, float, int]:
-        """(cut, static bytes, seconds, pid of the process that recorded it) of probe j of n at full
-        depth; it changes nothing of the searcher's, so a forked process can run it."""
-        t0 = time.perf_counter()
-        with self._probe_step(f"probing batch {batch_size} ({label} checkpointed)", j + 1, n, "full", workers), self._option_probe(label):
+    def _record_full(self, batch_size: int, j: int, label: str, choice: tuple[int, ...], n: int, workers: int) -> tuple[RunCut, int, float]:
+        """(cut, static bytes, seconds) of probe j of n at full depth; it changes nothing of the
+        searcher's, so a forked process can run it."""
+        with self._probe_step(f"probing batch {batch_size} ({label} checkpointed)", j + 1, n, "full", workers) as seconds, self._option_probe(label):
             m = self.runner.measure(batch_size, checkpoint=self.names(choice), units=self.units, accum_steps=self._kind)
         tl = m.timeline
-        cut = cut_run(tl.live_at, tl.max_between, tl.markers, self.units, choice, pick=-1)
-        return cut, m.static_bytes, time.perf_counter() - t0, os.getpid()
+        return cut_run(tl.live_at, tl.max_between, tl.markers, self.units, choice, pick=-1), m.static_bytes, seconds[0]
 
     @contextlib.contextmanager
     def _option_probe(self, label: str):
@@ -488,9 +495,9 @@ class Searcher:
             self._keep_short(key, *self._record_short(batch_size, choice, label, step))
         return self._short_cuts[key]
 
-    def _record_short(self, batch_size: int, choice: tuple[int, ...], label: str, step: tuple[int, int], workers: int = 1) -> tuple[RunCut, float, int]:
-        """(cut, seconds, pid of the process that recorded it) of one probe on the shortened chain. It
-        changes nothing of the searcher's, so a forked process can run it (measure/forked.py)."""
+    def _record_short(self, batch_size: int, choice: tuple[int, ...], label: str, step: tuple[int, int], workers: int = 1) -> tuple[RunCut, float]:
+        """(cut, seconds) of one probe on the shortened chain. It changes nothing of the searcher's, so
+        a forked process can run it (measure/forked.py)."""
         rep = self.repeat
         short = rep.short_units
         what = f"probing batch {batch_size} on {len(short)} of {len(self.units)} blocks (identical blocks), {label} checkpointed"
@@ -498,23 +505,19 @@ class Searcher:
         # loss): the optimizer step's moments are the no-checkpointing probe's at this batch, so the
         # other configurations leave the step out (docs/design.md §4)
         none = self._short_cuts.get((batch_size, (0,) * len(short)))
-        t0 = time.perf_counter()
-        with self._probe_step(what, *step, "short", workers), shortened(self.runner.model, rep), self._option_probe(label):
+        with self._probe_step(what, *step, "short", workers) as seconds, shortened(self.runner.model, rep), self._option_probe(label):
             names = plan_entries(short, self.options, choice)
             m = self.runner.measure(batch_size, checkpoint=names, units=short, optimizer_step=none is None)
-        seconds = time.perf_counter() - t0
         tl = m.timeline
         cut = cut_run(tl.live_at, tl.max_between, tl.markers, short, choice)
         if none is not None:
             after = none.after
             cut = replace(cut, after=after, fixed=max(cut.before, after), peak_above_static=max(cut.peak_above_static, after))
-        return cut, seconds, os.getpid()
+        return cut, seconds[0]
 
-    def _keep_short(self, key: tuple[int, tuple[int, ...]], cut: RunCut, seconds: float, pid: int) -> None:
-        self.runs += 1
+    def _keep_short(self, key: tuple[int, tuple[int, ...]], cut: RunCut, seconds: float) -> None:
+        self._timed("short", seconds)
         self._short_cuts[key] = cut
-        if pid != os.getpid():  # recorded in a forked process: its time comes back with the cut
-            self._probe_s.setdefault("short", []).append(seconds)
 
     def _shortened_cuts(self, batch_size: int, configs: dict[str, tuple[int, ...]]) -> list[RunCut]:
         """Every probe of `configs` on the shortened chain at this batch: the no-checkpointing one first
@@ -527,7 +530,7 @@ class Searcher:
         for j, label, choice in first:
             self._shortened_cut(batch_size, choice, label, (j + 1, n))
         rest = [t for t in todo if any(t[2])]
-        workers = usable_workers(len(rest), resident_bytes()) if self._forks and rest else 1
+        workers = self._workers(len(rest))
         got = fork_map(lambda t: self._record_short(batch_size, t[2], t[1], (t[0] + 1, n), workers), rest, workers)
         for (_j, _label, choice), res in zip(rest, got):
             self._keep_short((batch_size, choice), *res)
@@ -818,8 +821,7 @@ class Searcher:
 
         # each batch's solve is pure arithmetic on recorded terms: under fake tensors, where a 70B's
         # loose budget at batch 1 makes a large DP, they are shared out over the cores (measure/forked.py)
-        workers = usable_workers(len(batch_sizes), resident_bytes()) if self._forks else 1
-        return fork_map(row, batch_sizes, workers)
+        return fork_map(row, batch_sizes, self._workers(len(batch_sizes)))
 
     def _states(self) -> tuple[int, int, int]:
         """(parameters, gradients, optimizer state) on one GPU, as of the last recorded step."""
