@@ -149,7 +149,7 @@ class Terms:
 
     def interpolate(self, other: Terms, batch_size: int) -> Terms:
         """Terms at another batch size, linear through self and other, rounded up (a line, not a bound:
-        out of sample up to 2.75% low; the search probes the batch it answers, docs/design.md §4)."""
+        out of sample it can come out low; the search probes the batch it answers, docs/design.md §4)."""
         b1, b2 = self.batch_size, other.batch_size
 
         def lin(x1: int, x2: int) -> int:
