@@ -2,7 +2,7 @@
 # Rewrite every file in benchmarks/results/ at one commit. On a clean clone (after `make setup`):
 #     benchmarks/run_all.sh                 # refuses a work tree that differs from HEAD
 #     benchmarks/run_all.sh --allow-dirty   # runs anyway; each result records the dirty paths and a hash of git diff HEAD
-# Several hours on the 2-core machine (the zoo, speed and the large-model searches dominate); each script
+# About an hour and a half on a 2-core machine (large_model, plan_quality, ops and batch_finder dominate); each script
 # also runs on its own. Timing benchmarks (plan_quality, batch_finder, speed, large_model) want a quiet machine.
 # The GPU check is separate: .venv/bin/python benchmarks/gpu_validate.py (a CUDA machine, < 8 minutes).
 set -euo pipefail
