@@ -103,6 +103,14 @@ CASES = {
 TOLERANCE = 0.01  # fake vs the CPU allocator, relative to the allocator's peak
 
 
+def _target(build, batch_fn=None) -> loader.Target:
+    """A target built by `build` (batches from `batch_fn`), with the model's own loss."""
+    return loader.Target(
+        spec="t", module_name="t", file_path=None, fn_name="build", build_fn=build, batch_fn=batch_fn,
+        loss_fn=None, batch_source="t", loss_source="t",
+    )
+
+
 def fake_measured_peak(build, make_batch, loss_fn, batch_size: int, optimizer: str = "adamw", steps: int = 2) -> int:
     """`harness.measured_peak` with a fake model under `FakeRecorder("cpu")` in place of the profiler.
 
@@ -110,10 +118,7 @@ def fake_measured_peak(build, make_batch, loss_fn, batch_size: int, optimizer: s
     gradients and batches are born in it), the peak is parameters + buffers + the largest live bytes
     from the second iteration's marker on (the previous gradients are live at the marker).
     """
-    target = loader.Target(
-        spec="t", module_name="t", file_path=None, fn_name="build", build_fn=build, batch_fn=make_batch,
-        loss_fn=None, batch_source="t", loss_source="t",
-    )  # fmt: skip
+    target = _target(build, make_batch)
     model = fake_inputs.build_fake_model(target)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -328,11 +333,7 @@ def test_hf_llama_tied_embeddings_stay_tied(tmp_path, tied):
 def test_batch_made_outside_dispatch_is_converted_and_recorded():
     """A make_batch that builds its tensor from numpy gives a real tensor even under the fake mode."""
     np = pytest.importorskip("numpy")
-    target = loader.Target(
-        spec="t", module_name="t", file_path=None, fn_name="build", build_fn=lambda: nn.Linear(8, 2),
-        batch_fn=lambda b: torch.from_numpy(np.zeros((b, 8), dtype=np.float32)), loss_fn=None,
-        batch_source="t", loss_source="t",
-    )  # fmt: skip
+    target = _target(lambda: nn.Linear(8, 2), lambda b: torch.from_numpy(np.zeros((b, 8), dtype=np.float32)))
     batch_fn = fake_inputs.fake_batch_fn(target, "cpu")
     with fake.running(), FakeRecorder("cpu") as rec:
         batch = batch_fn(3)
@@ -343,10 +344,7 @@ def test_batch_made_outside_dispatch_is_converted_and_recorded():
 
 def test_build_allocates_nothing():
     """A 4 GiB layer built under the fake mode costs no memory."""
-    target = loader.Target(
-        spec="t", module_name="t", file_path=None, fn_name="build", build_fn=lambda: nn.Linear(32768, 32768),
-        batch_fn=lambda b: torch.zeros(b, 32768), loss_fn=None, batch_source="t", loss_source="t",
-    )  # fmt: skip
+    target = _target(lambda: nn.Linear(32768, 32768), lambda b: torch.zeros(b, 32768))
     before = _rss()
     model = fake_inputs.build_fake_model(target)
     assert model.weight.untyped_storage().nbytes() == 32768 * 32768 * 4
@@ -389,10 +387,7 @@ def test_a_buffer_registered_twice_while_alive_is_one_meta_tensor():
         b.register_buffer("x", shared)
         return nn.ModuleDict({"a": a, "b": b})
 
-    target = loader.Target(
-        spec="t", module_name="t", file_path=None, fn_name="build", build_fn=build,
-        batch_fn=None, loss_fn=None, batch_source="t", loss_source="t",
-    )  # fmt: skip
+    target = _target(build)
     model = fake_inputs.build_fake_model(target)
     assert model["a"].x is model["b"].x
 
@@ -417,10 +412,7 @@ class _ItemModel(_NonzeroModel):
     ("model_cls", "op"), [(_NonzeroModel, "aten.nonzero"), (_ItemModel, "aten._local_scalar_dense")]
 )
 def test_data_dependent_model_raises_fake_mode_error(model_cls, op):
-    target = loader.Target(
-        spec="t", module_name="t", file_path=None, fn_name="build", build_fn=model_cls,
-        batch_fn=lambda b: torch.randn(b, 4), loss_fn=None, batch_source="t", loss_source="t",
-    )  # fmt: skip
+    target = _target(model_cls, lambda b: torch.randn(b, 4))
     model = fake_inputs.build_fake_model(target)
     batch = fake_inputs.fake_batch_fn(target, "cpu")(2)
     # loader wraps the failure in a UserCodeError; running() and FakeRecorder unwrap it
