@@ -466,3 +466,54 @@ if __name__ == "__main__":  # accuracy table: python -m tests.test_fake
             real = harness.measured_peak(build, make_batch, loss, 0)
             pred = fake_measured_peak(build, make_batch, loss, 0)
             print(f"{case:8s} {precision:10s} CPU {real:>12,d}  fake {pred:>12,d}  {(pred - real) / real:+.3%}", file=sys.stderr)
+
+
+# --- the first recorded iteration is the steady one ----------------------------------------------------
+
+
+class LazyCache(nn.Module):
+    """Builds a buffer on its first forward and keeps it: its first iteration is not its steady one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = MLP()
+
+    def forward(self, x):
+        if not hasattr(self, "table"):
+            self.register_buffer("table", torch.zeros(4096))
+        return self.body(x) + self.table[:10].sum()
+
+
+def _recorded_steps(build, batch_fn, precision: str = "fp32", optimizer: str = "adamw") -> tuple[int, list]:
+    """(iterations run, [timeline deltas, peak, static] of three measured steps) of one fake runner."""
+    from ckpt_tune.measure.runner import StepRunner, StepSettings
+
+    target = _target(build, batch_fn)
+    model = fake_inputs.build_fake_model(target)
+    settings = StepSettings(device="meta", precision=precision, optimizer=optimizer)
+    runner = StepRunner(model, fake_inputs.fake_batch_fn(target, "cpu"), _ce, settings)
+    calls = []
+    iteration = runner.iteration
+    runner.iteration = lambda *a, **k: (calls.append(1), iteration(*a, **k))[1]
+    with runner:
+        steps = [runner.measure(4) for _ in range(3)]
+        first = len(calls) - 2
+    return first, [(m.timeline.deltas, m.peak_bytes, m.static_bytes) for m in steps]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd-momentum"])
+def test_first_iteration_is_recorded_as_the_steady_one(optimizer):
+    """Under fake tensors the first measure runs no warm-up: its one iteration, less the optimizer state
+    its step allocated, is the later iterations' to the byte (AdamW's state is made before the update,
+    SGD's momentum during it)."""
+    first, steps = _recorded_steps(lambda: MLP(), lambda b: (torch.randn(b, 64, generator=_gen()), torch.randint(0, 10, (b,), generator=_gen())), optimizer=optimizer)
+    assert first == 1
+    assert steps[0] == steps[1] == steps[2]
+
+
+def test_a_first_iteration_that_keeps_something_was_the_warm_up():
+    """A model that builds a buffer on its first call: that iteration is taken as the warm-up and the
+    next one recorded, as every later one is."""
+    first, steps = _recorded_steps(LazyCache, lambda b: (torch.randn(b, 64, generator=_gen()), torch.randint(0, 10, (b,), generator=_gen())))
+    assert first == 2
+    assert steps[0] == steps[1] == steps[2]

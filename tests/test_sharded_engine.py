@@ -197,3 +197,52 @@ def test_gathered_weights_are_not_attributed_as_activations(shard):
         return out
 
     assert saved(shard) == saved("zero1")
+
+
+@pytest.mark.parametrize("shard", ["zero3", "zero2"])
+def test_fake_optimizer_step_on_local_shards_equals_dtensors(shard, monkeypatch):
+    """Under fake tensors the foreach optimizer step runs on the local shards (sharded.LocalForeach):
+    the recorded iteration, every allocation and free, is the one DTensor's own dispatch gives."""
+    from ckpt_tune.measure import sharded
+
+    t = loader.load_target(str(HERE / "sharded_worker.py") + ":build")
+    calls: list[str] = []
+    seen = sharded.LocalForeach.__torch_function__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        calls.append(getattr(func, "__name__", ""))
+        return seen(self, func, types, args, kwargs)
+
+    def recorded(local: bool):
+        if not local:
+            monkeypatch.setattr(ShardedRunner, "_optimizer_step", StepRunner._optimizer_step)
+        fake = fake_inputs.build_fake_model(t)
+        settings = StepSettings(device="meta", precision="bf16-mixed")  # foreach, as on CUDA
+        with ShardedRunner(
+            fake, fake_inputs.fake_batch_fn(t), lambda m, b: loader.compute_loss(t, m, b), settings,
+            world_size=4, shard=shard, units=w.UNITS,
+        ) as r:
+            m = r.measure(w.BATCH, units=w.UNITS)
+        tl = m.timeline
+        return tl.deltas, tl.live, m.peak_bytes, m.static_bytes, m.optimizer_bytes
+
+    monkeypatch.setattr(sharded.LocalForeach, "__torch_function__", counting)
+    local = recorded(True)
+    assert any(c.startswith("_foreach_") for c in calls)  # the step did run through the mode
+    assert local == recorded(False)
+
+
+@pytest.mark.parametrize("shard", ["zero3", "zero1"])
+def test_fake_first_sharded_iteration_is_recorded_as_the_steady_one(shard):
+    """The first measure under fake tensors runs no warm-up (runner.measure): rank 0's first iteration,
+    less the optimizer state its step made, is the next iteration's to the byte."""
+    t = loader.load_target(str(HERE / "sharded_worker.py") + ":build")
+    fake = fake_inputs.build_fake_model(t)
+    settings = StepSettings(device="meta", precision="bf16-mixed")
+    with ShardedRunner(
+        fake, fake_inputs.fake_batch_fn(t), lambda m, b: loader.compute_loss(t, m, b), settings,
+        world_size=4, shard=shard, units=w.UNITS,
+    ) as r:
+        first, second = (r.measure(w.BATCH, units=w.UNITS) for _ in range(2))
+    assert first.timeline.deltas == second.timeline.deltas
+    assert (first.peak_bytes, first.static_bytes) == (second.peak_bytes, second.static_bytes)

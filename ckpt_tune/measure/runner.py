@@ -217,12 +217,17 @@ class StepRunner:
                 ) from e
             mark("backward")
         if self.optimizer is not None and optimizer_step:
-            if self.scaler is not None:
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-            else:
-                self.optimizer.step()
+            with self._optimizer_step():
+                if self.scaler is not None:
+                    self.scaler.step(self.optimizer)
+                    self.scaler.update()
+                else:
+                    self.optimizer.step()
         mark("step")
+
+    def _optimizer_step(self) -> contextlib.AbstractContextManager:
+        """The context the optimizer step runs in (a sharded runner's: measure/sharded.py)."""
+        return contextlib.nullcontext()
 
     def warm_up(self, batch_size: int) -> None:
         """Run one iteration so the optimizer state exists (steady state)."""
@@ -235,11 +240,26 @@ class StepRunner:
         """(parameters + buffers, optimizer state, gradients) bytes, distinct storages."""
         m = self.model
         param = unique_bytes([*m.parameters(), *m.buffers()])
-        opt = 0
-        if self.optimizer is not None:
-            opt = unique_bytes(t for st in self.optimizer.state.values() for t in st.values())
+        opt = unique_bytes(self.optimizer_state())
         grads = unique_bytes(p.grad for p in m.parameters() if p.grad is not None)
         return param, opt, grads
+
+    def optimizer_state(self) -> list[torch.Tensor]:
+        """The optimizer state's tensors (none before the first step)."""
+        opt = self.optimizer
+        return [] if opt is None else [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+
+    def _steady(self, tl: Timeline) -> Timeline | None:
+        """A first iteration's timeline as a steady-state one would be: without the optimizer state the
+        step allocated (which a later iteration finds in place). None when the iteration keeps more than
+        its gradients and that state: something made on the first call stays (a cache, a lazily built
+        buffer), and the steady state is only reached after it (docs/design.md §3)."""
+        held = tl.held_at_end()
+        state = {fake.fake_storage_key(local_tensor(t)) for t in self.optimizer_state()}
+        grads = {fake.fake_storage_key(local_tensor(p.grad)) for p in self.model.parameters() if p.grad is not None}
+        if set(held) - state - grads:
+            return None
+        return tl.without({k for p, k in held.items() if p in state})
 
     # -- measurement ----------------------------------------------------------------------------
     def measure(
@@ -258,8 +278,14 @@ class StepRunner:
         micro-batch's come first). `attribute`: also attribute saved tensors to modules and mark every
         module. `accum_steps`: micro-batches per optimizer step (see `iteration`). `optimizer_step=False`:
         the optimizer step is left out of the recorded iteration (its moments are read from another one).
+
+        Under fake tensors the first iteration is recorded as the steady one, without a warm-up before
+        it: its optimizer step's allocation of the state is taken out of the timeline (`_steady`), or,
+        where the iteration keeps anything else, it was the warm-up and the next one is recorded.
         """
-        self.warm_up(batch_size)
+        cold = self.fake and not self._warm and optimizer_step and self.optimizer is not None
+        if not cold:
+            self.warm_up(batch_size)
         param_b, opt_b, grads_before = self.state_bytes()
         self._zero_grad()  # frees before recording starts: the profiler cannot see frees of older blocks
         names = {mod: name for name, mod in self.model.named_modules()}
@@ -284,6 +310,11 @@ class StepRunner:
             if checkpoint:
                 plan_apply.remove(self.model)
         tl = rec.timeline
+        if cold:
+            self._warm = True
+            tl = self._steady(tl)
+            if tl is None:
+                return self.measure(batch_size, checkpoint, units, attribute, accum_steps, optimizer_step)
         param_b, opt_b, grads_after = self.state_bytes()
         static = param_b + opt_b
         t_start = tl.marker("iter")

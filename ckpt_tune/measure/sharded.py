@@ -104,6 +104,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from ckpt_tune import vocab
 from ckpt_tune.errors import CkptTuneError
@@ -362,6 +364,11 @@ class ShardedRunner(StepRunner):
         with fake_fsdp_recording() if self.fake else contextlib.nullcontext():
             return super().measure(*args, **kwargs)
 
+    def _optimizer_step(self):
+        # under fake tensors the step's foreach ops run on the local shards (`LocalForeach`): the same
+        # ops on the same tensors as DTensor's dispatch, without its sharding propagation
+        return LocalForeach() if self.fake and self.engine == "fully_shard" else super()._optimizer_step()
+
     def _autocast(self):
         if self.engine == "fully_shard":  # MixedPrecisionPolicy casts, not autocast
             return contextlib.nullcontext()
@@ -371,12 +378,13 @@ class ShardedRunner(StepRunner):
         """(parameters + buffers, optimizer state, gradients) bytes on this rank: the local shards."""
         m = self.model
         param = unique_bytes(local_tensor(t) for t in (*m.parameters(), *m.buffers()))
-        opt = 0
-        if self.optimizer is not None:
-            inner = getattr(self.optimizer, "optim", self.optimizer)  # ZeroRedundancyOptimizer: the local one
-            opt = unique_bytes(local_tensor(t) for st in inner.state.values() for t in st.values() if isinstance(t, torch.Tensor))
+        opt = unique_bytes(local_tensor(t) for t in self.optimizer_state())
         grads = unique_bytes(local_tensor(p.grad) for p in m.parameters() if p.grad is not None)
         return param, opt, grads
+
+    def optimizer_state(self) -> list[torch.Tensor]:
+        inner = getattr(self.optimizer, "optim", self.optimizer)  # ZeroRedundancyOptimizer: the local one
+        return [] if inner is None else [t for st in inner.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
 
 
 @contextlib.contextmanager
@@ -386,6 +394,38 @@ def _quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module", category=UserWarning)
         yield
+
+
+class LocalForeach(TorchFunctionMode):
+    """While open, a `torch._foreach_*` call on DTensors runs on their local tensors.
+
+    An optimizer's foreach step over FSDP2's sharded parameters is pointwise over lists of DTensors
+    that share one mesh and placements (parameters, gradients, state made by zeros_like): DTensor's
+    dispatch propagates the placements and runs the same foreach op on the local tensors, whose
+    results are what is allocated. That propagation, cold, takes seconds per op over a 7B model's
+    291 parameters under fake tensors (issue 14, docs/design.md §3); this mode runs the local op
+    directly. Its temporaries come back as plain tensors, which only later foreach calls of the same
+    step take. A call whose DTensors differ in mesh or placements, or are not Shard/Replicate, goes
+    to DTensor as before. tests/test_sharded.py checks the recorded step equals DTensor's to the byte.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "").startswith("_foreach_"):
+            from torch.distributed.tensor import DTensor
+
+            dts = [t for t in tree_leaves((args, kwargs)) if isinstance(t, DTensor)]
+            if dts and _pointwise_safe(dts):
+                args, kwargs = tree_map_only(DTensor, lambda t: t._local_tensor, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _pointwise_safe(dts: list) -> bool:
+    """Whether a pointwise op on these DTensors is the same op on their local tensors."""
+    first = dts[0]
+    return all(p.is_shard() or p.is_replicate() for p in first.placements) and all(
+        t.device_mesh == first.device_mesh and t.placements == first.placements for t in dts
+    )
 
 
 # -- what FakeRecorder (measure/fake.py) does not see of FSDP2, until it does -------------------------

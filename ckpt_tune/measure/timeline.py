@@ -95,6 +95,33 @@ class Timeline:
                 best, when = self.live[k], self.times[k]
         return best, when
 
+    def held_at_end(self) -> dict[int, int]:
+        """ptr -> index of the event that allocated what that ptr still holds when the recording ends."""
+        net: dict[int, int] = {}
+        start: dict[int, int] = {}
+        for k, (d, p) in enumerate(zip(self.deltas, self.ptrs, strict=True)):
+            if d > 0 and not net.get(p):
+                start[p] = k
+            net[p] = net.get(p, 0) + d
+            if net[p] <= 0:
+                net.pop(p)
+                start.pop(p, None)
+        return {p: start[p] for p in net if p in start}
+
+    def without(self, drop: set[int]) -> Timeline:
+        """The curve without the events at these indices (markers unchanged)."""
+        tl = Timeline(markers={k: list(v) for k, v in self.markers.items()})
+        live = 0
+        for k, (t, d, p) in enumerate(zip(self.times, self.deltas, self.ptrs, strict=True)):
+            if k in drop:
+                continue
+            live += d
+            tl.times.append(t)
+            tl.deltas.append(d)
+            tl.ptrs.append(p)
+            tl.live.append(live)
+        return tl
+
     def intervals(self) -> list[tuple[int, int, int, int]]:
         """Every allocation as (ptr, bytes, t_alloc, t_free); t_free is a large sentinel if never freed."""
         open_: dict[int, tuple[int, int]] = {}
