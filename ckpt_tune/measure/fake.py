@@ -88,6 +88,9 @@ CUDA_WORKSPACE_OPS = frozenset(
 CALIBRATE_LIMIT = 256 << 20
 FAKE_HINT = "use --device cpu on a smaller config"
 _RECORD_FUNCTION_ENTER = torch.ops.profiler._record_function_enter_new.default
+# `tensor.device` under a dispatch mode: the most frequent op of a step (FSDP2 and autograd ask it
+# thousands of times), which allocates nothing
+_DEVICE = torch.ops.prim.device.default
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 
 # What a kernel allocates beyond fake mode's view: (bytes of each output, None where fake mode's size is
@@ -330,6 +333,8 @@ class _Dispatch(TorchDispatchMode):
         self.rec = rec
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE and type(args[0]) is FakeTensor and not args[0].fake_mode.in_kernel_invocation:
+            return args[0].fake_device  # what FakeTensor answers (fake_tensor.py), without the dispatch
         kwargs = kwargs or {}
         rec = self.rec
         if func is _RECORD_FUNCTION_ENTER and rec._intercept_marks:
