@@ -194,7 +194,7 @@ def test_the_states_after_ordering_are_the_full_models():
         assert grads == params
 
 
-def test_progress_names_each_probe_and_the_time_left_at_its_batch(monkeypatch):
+def test_progress_names_each_probe_and_the_time_its_probes_have_left(monkeypatch):
     monkeypatch.setenv(WORKERS_ENV, "1")  # one process: every probe is this one's
     with _runner("cuda", Decoder) as runner:
         said: list[str] = []
@@ -205,7 +205,7 @@ def test_progress_names_each_probe_and_the_time_left_at_its_batch(monkeypatch):
     n = len(probes)
     assert n == len(s.options) + 2  # none, all, even, odd, and one run per finer option
     assert probes[0].endswith(f"none checkpointed: step 1 of {n}")  # nothing timed yet: no estimate
-    assert all(f": step {j} of {n}, about " in m and m.endswith(" s left at this batch") for j, m in enumerate(probes[1:], 2))
+    assert all(f": step {j} of {n}, about " in m and m.endswith(" s left for these probes") for j, m in enumerate(probes[1:], 2))
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="probes are shared out over forked processes on Linux only")

@@ -183,6 +183,7 @@ class Searcher:
         self._short_cuts: dict[tuple[int, tuple[int, ...]], RunCut] = {}
         self.stage_seconds: dict[str, float] = {}
         self._probe_s: dict[str, list[float]] = {}  # seconds of each probe step recorded ("short", "full")
+        self._eta_s: dict[str, list[float]] = {}  # the same, of the steps this process ran (progress lines)
         self._pid = os.getpid()  # a forked process that records probes (measure/forked.py) is not this one
         self._forks = False  # probes may be shared out over forked processes (set by order_units)
         self._dropped: set[str] = set()  # finer options whose probe step failed (never offered again)
@@ -282,17 +283,23 @@ class Searcher:
     def _probe_step(self, what: str, j: int, n: int, kind: str, workers: int = 1):
         """One probe step, j of n at its batch, timed: yields a list that holds its seconds when it
         completes (`_timed` adds them to this kind's). Its progress line gives the time the remaining
-        probes should take, as long each as the probes of this kind (shortened or full depth) recorded
-        so far, `workers` at a time. In a forked process (measure/forked.py) the step is silent."""
-        done = self._probe_s.get(kind, [])
-        if os.getpid() == self._pid:
-            left = f", about {sum(done) / len(done) * -(-(n - j + 1) // workers):.0f} s left at this batch" if done else ""
-            on = f" ({workers} processes)" if workers > 1 else ""
-            self.progress(f"{what}: step {j} of {n}{on}{left}")
+        probes should take, as long each as the probes of this kind (shortened or full depth) this
+        process recorded so far, `workers` at a time. In a forked process (measure/forked.py) the step
+        is silent."""
+        done = self._eta_s.setdefault(kind, [])
+        left = f", about {sum(done) / len(done) * -(-(n - j + 1) // workers):.0f} s left for these probes" if done else ""
+        on = f" ({workers} processes)" if workers > 1 else ""
+        self._say(f"{what}: step {j} of {n}{on}{left}")
         seconds: list[float] = []
         t0 = time.perf_counter()
         yield seconds
         seconds.append(time.perf_counter() - t0)
+        done.append(seconds[0])
+
+    def _say(self, msg: str) -> None:
+        """A progress line, from this process only: a forked one (measure/forked.py) is silent."""
+        if os.getpid() == self._pid:
+            self.progress(msg)
 
     def _timed(self, kind: str, seconds: float) -> None:
         """A probe step of this kind recorded (here or in a forked process) in `seconds`."""
@@ -357,7 +364,7 @@ class Searcher:
         scale, oom, t = 1.0, False, None
         if self.repeat is not None and self.runner.fake:
             # FLOPs of identical blocks are identical: count them on the shortened chain
-            self.progress(f"counting FLOPs at batch {batch_size} on {len(self.repeat.short_units)} of {len(self.units)} blocks")
+            self._say(f"counting FLOPs at batch {batch_size} on {len(self.repeat.short_units)} of {len(self.units)} blocks")
             rep = self.repeat
             with shortened(self.runner.model, rep):
                 forward, step = count_flops(self.runner, batch_size)
@@ -490,58 +497,94 @@ class Searcher:
 
     def _shortened_cut(self, batch_size: int, choice: tuple[int, ...], label: str = "none", step: tuple[int, int] = (1, 1)) -> RunCut:
         """One probe on the shortened chain (repeats.py), cached; `step`: its place among this batch's probes."""
-        key = (batch_size, choice)
-        if key not in self._short_cuts:
-            self._keep_short(key, *self._record_short(batch_size, choice, label, step))
-        return self._short_cuts[key]
+        self._record_shorts([(batch_size, label, choice, step)])
+        return self._short_cuts[(batch_size, choice)]
 
     def _record_short(self, batch_size: int, choice: tuple[int, ...], label: str, step: tuple[int, int], workers: int = 1) -> tuple[RunCut, float]:
         """(cut, seconds) of one probe on the shortened chain. It changes nothing of the searcher's, so
-        a forked process can run it (measure/forked.py)."""
+        a forked process can run it (measure/forked.py). After backward every configuration holds the
+        same tensors (the gradients, the batch, the loss): only the no-checkpointing probe records the
+        optimizer step, and `_keep_short` gives the others its moments (docs/design.md §4)."""
         rep = self.repeat
         short = rep.short_units
         what = f"probing batch {batch_size} on {len(short)} of {len(self.units)} blocks (identical blocks), {label} checkpointed"
-        # after backward every configuration holds the same tensors (the gradients, the batch, the
-        # loss): the optimizer step's moments are the no-checkpointing probe's at this batch, so the
-        # other configurations leave the step out (docs/design.md §4)
-        none = self._short_cuts.get((batch_size, (0,) * len(short)))
         with self._probe_step(what, *step, "short", workers) as seconds, shortened(self.runner.model, rep), self._option_probe(label):
             names = plan_entries(short, self.options, choice)
-            m = self.runner.measure(batch_size, checkpoint=names, units=short, optimizer_step=none is None)
+            m = self.runner.measure(batch_size, checkpoint=names, units=short, optimizer_step=not any(choice))
         tl = m.timeline
-        cut = cut_run(tl.live_at, tl.max_between, tl.markers, short, choice)
-        if none is not None:
-            after = none.after
-            cut = replace(cut, after=after, fixed=max(cut.before, after), peak_above_static=max(cut.peak_above_static, after))
-        return cut, seconds[0]
+        return cut_run(tl.live_at, tl.max_between, tl.markers, short, choice), seconds[0]
 
     def _keep_short(self, key: tuple[int, tuple[int, ...]], cut: RunCut, seconds: float) -> None:
+        """Keep a shortened probe's cut; one without its optimizer step takes the step's moments from
+        the no-checkpointing probe at its batch (kept first)."""
         self._timed("short", seconds)
+        if any(key[1]):
+            after = self._short_cuts[(key[0], (0,) * len(key[1]))].after
+            cut = replace(cut, after=after, fixed=max(cut.before, after), peak_above_static=max(cut.peak_above_static, after))
         self._short_cuts[key] = cut
 
+    def _short_configs(self) -> dict[str, tuple[int, ...]]:
+        """The probe configurations of the shortened chain (memory_model.probe_configs)."""
+        rep = self.repeat
+        return probe_configs(len(rep.short_units), len(self.options), lambda s, opt: self._has(rep.full_index(s), opt))
+
     def _shortened_cuts(self, batch_size: int, configs: dict[str, tuple[int, ...]]) -> list[RunCut]:
-        """Every probe of `configs` on the shortened chain at this batch: the no-checkpointing one first
-        (the others take the optimizer step's moments from it), the others shared out over the cores
-        (measure/forked.py), each as it would be recorded alone."""
-        items = list(enumerate(configs.items()))
-        n = len(items)
-        todo = [(j, label, choice) for j, (label, choice) in items if (batch_size, choice) not in self._short_cuts]
-        first = [t for t in todo if not any(t[2])]
-        for j, label, choice in first:
-            self._shortened_cut(batch_size, choice, label, (j + 1, n))
-        rest = [t for t in todo if any(t[2])]
-        workers = self._workers(len(rest))
-        got = fork_map(lambda t: self._record_short(batch_size, t[2], t[1], (t[0] + 1, n), workers), rest, workers)
-        for (_j, _label, choice), res in zip(rest, got):
-            self._keep_short((batch_size, choice), *res)
-        return [self._short_cuts[(batch_size, choice)] for _j, (_label, choice) in items]
+        """Every probe of `configs` on the shortened chain at this batch, each as it would be recorded alone."""
+        n = len(configs)
+        self._record_shorts([(batch_size, label, choice, (j + 1, n)) for j, (label, choice) in enumerate(configs.items())])
+        return [self._short_cuts[(batch_size, choice)] for choice in configs.values()]
+
+    def _record_shorts(self, probes: list, timing: tuple[int, ...] = ()) -> None:
+        """Record the shortened probes (batch, label, choice, (j, n)) not yet recorded, and count FLOPs
+        at the `timing` batches not yet timed, all shared out over the cores in one go (measure/forked.py):
+        the probes of a batch, and of several batches, do not depend on each other. A configuration's
+        no-checkpointing probe at its batch is recorded with it (`_keep_short` needs its moments)."""
+        none = (0,) * len(self.repeat.short_units)
+        todo = {(b, choice): (b, label, choice, step) for b, label, choice, step in probes}
+        for b, _label, _choice, step in list(todo.values()):
+            todo.setdefault((b, none), (b, "none", none, (1, step[1])))
+        todo = {k: v for k, v in todo.items() if k not in self._short_cuts}
+        # the no-checkpointing probes first: they run the optimizer step, the longest
+        items = [("short", v) for k, v in sorted(todo.items(), key=lambda kv: any(kv[0][1]))]
+        items[1:1] = [("time", b) for b in dict.fromkeys(timing) if b not in self._costs]
+        if not items:
+            return
+        workers = self._workers(len(items))
+
+        def run(item):
+            kind, what = item
+            if kind == "time":
+                t0 = time.perf_counter()
+                return self._time(what), time.perf_counter() - t0
+            b, label, choice, _step = what
+            # numbered among this share-out's items: the progress line's time left is the share-out's
+            return self._record_short(b, choice, label, (items.index(item) + 1, len(items)), workers)
+
+        got = dict(zip(items, fork_map(run, items, workers), strict=True))
+        for (kind, what), res in sorted(got.items(), key=lambda kv: kv[0][0] != "short" or any(kv[0][1][2])):
+            if kind == "time":
+                self._costs[what] = res[0]
+            else:
+                self._keep_short((what[0], what[2]), *res)
+
+    def prefetch(self, batches: tuple[int, ...], timing: tuple[int, ...] = ()) -> None:
+        """Under fake tensors with a shortened chain, record every probe of these batches (and count FLOPs
+        at `timing`) in one share-out, before the search asks for them one batch at a time. A probe that
+        fails here (an op policy torch refuses) is left to `terms`, which drops its option."""
+        if self.repeat is None or not self._forks or self._kind != 1:
+            return
+        configs = self._short_configs()
+        n = len(configs)
+        probes = [(b, label, choice, (j + 1, n)) for b in batches for j, (label, choice) in enumerate(configs.items())]
+        with self._stage("probe"), contextlib.suppress(_OptionFailed):
+            self._record_shorts(probes, timing)
 
     def _shortened_terms(self, batch_size: int) -> Terms | None:
         """Full-depth terms extended from probes on the shortened chain (repeats.extend); None when a
         probe ran out of device memory (the full-depth path decides what then)."""
         rep = self.repeat
         short = rep.short_units
-        configs = probe_configs(len(short), len(self.options), lambda s, opt: self._has(rep.full_index(s), opt))
+        configs = self._short_configs()
         order_b, order_cut, static = self._order_cut
         try:
             cuts = self._shortened_cuts(batch_size, configs)
@@ -652,7 +695,9 @@ class Searcher:
         return lo
 
     def _min_peak_at(self, b: int, b1: int) -> int:
-        """Smallest predicted peak at b, on terms probed at b itself."""
+        """Smallest predicted peak at b, on terms probed at b itself (and FLOPs counted there, should b
+        be the answer, in the same share-out)."""
+        self.prefetch((b,), timing=(b,) if b not in (self.b1, self.b2) else ())
         return min_peak(self.terms(b), self.costs(b1)).peak
 
     def _settle(self, guess: int, budget: int, b1: int, b2: int) -> int:
@@ -720,6 +765,7 @@ class Searcher:
         over = self._states_over(budget)  # the ordering step has built every state: nothing to probe
         if over is not None:
             raise over
+        self.prefetch((b1, b2) if batch_size is None else (batch_size, b1, b2), timing=(batch_size or b1,))
         if batch_size is None:
             guess = self.largest_fitting(budget, b1, b2)
             if guess == 0:
