@@ -91,6 +91,14 @@ _RECORD_FUNCTION_ENTER = torch.ops.profiler._record_function_enter_new.default
 # `tensor.device` under a dispatch mode: the most frequent op of a step (FSDP2 and autograd ask it
 # thousands of times), which allocates nothing
 _DEVICE = torch.ops.prim.device.default
+
+
+def _device(func, args):
+    """`tensor.device` as FakeTensor answers it (fake_tensor.py), without dispatching it further."""
+    t = args[0]
+    if type(t) is FakeTensor and not t.fake_mode.in_kernel_invocation:
+        return t.fake_device
+    return func(*args)
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 
 # What a kernel allocates beyond fake mode's view: (bytes of each output, None where fake mode's size is
@@ -231,6 +239,8 @@ class _MetaGaps(TorchDispatchMode):
     """Outputs for the few ops whose meta kernel refuses inputs the CPU kernel accepts (`_META_GAPS`)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE:
+            return _device(func, args)
         kwargs = kwargs or {}
         fill = _META_GAPS.get(func)
         out = fill(args, kwargs) if fill is not None else None
@@ -333,8 +343,8 @@ class _Dispatch(TorchDispatchMode):
         self.rec = rec
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _DEVICE and type(args[0]) is FakeTensor and not args[0].fake_mode.in_kernel_invocation:
-            return args[0].fake_device  # what FakeTensor answers (fake_tensor.py), without the dispatch
+        if func is _DEVICE:
+            return _device(func, args)
         kwargs = kwargs or {}
         rec = self.rec
         if func is _RECORD_FUNCTION_ENTER and rec._intercept_marks:
