@@ -85,3 +85,10 @@ def test_workers_follow_the_items_the_ram_and_the_environment(monkeypatch):
     monkeypatch.setenv(WORKERS_ENV, "many")
     with pytest.raises(CkptTuneError, match=WORKERS_ENV):
         usable_workers(64, 1 << 20)
+
+
+def test_costs_share_the_items_out_evenly_and_results_stay_in_item_order():
+    costs = [5.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    assert forked.shares_of(7, 2, costs) == [[0, 6], [1, 2, 3, 4, 5]]  # the long item, then the least loaded
+    got = fork_map(_where, list(range(7)), 2, costs)
+    assert got == [(k, k in (0, 6)) for k in range(7)]
