@@ -39,6 +39,11 @@ def solve(terms: Terms, costs: Costs, budget: int) -> Solution | None:
     room = budget - terms.static - terms.base
     if terms.fixed - terms.base > room:
         return None
+    # storing every block costs nothing: where it fits and every other option of every block costs more
+    # (segments cost their blocks' checkpoints), it is the one optimum, without a search
+    none = (0,) * len(terms.blocks)
+    if all(c[0] < min(c[1:], default=float("inf")) for c in costs) and (peak := predict(terms, none)) <= budget:
+        return Solution(none, sum(c[0] for c in costs), peak)
     # a feasible plan first, on fronts thinned to ROUGH_CAP states (each keeps its smallest prefix, so it
     # finds a plan whenever one exists); no cheaper plan passes through a state that already costs more
     rough = _dp(terms, costs, room, lambda states: _thin(_pareto(states), ROUGH_CAP))
