@@ -13,6 +13,7 @@ from torch import nn
 from ckpt_tune.measure import fake_inputs, loader
 from ckpt_tune.measure.forked import WORKERS_ENV
 from ckpt_tune.measure.runner import StepRunner, StepSettings
+from ckpt_tune.tune import searcher as searcher_module
 from ckpt_tune.tune.repeats import find_repeat
 from ckpt_tune.tune.searcher import Searcher
 
@@ -219,10 +220,31 @@ def test_probes_shared_out_over_two_processes_give_the_same_terms(monkeypatch):
             said: list[str] = []
             s = Searcher(runner, progress=said.append)
             s.order_units(1)
-            got[workers] = (s.terms(4), s.runs, len(s._probe_s["short"]), said)
+            # both small batches: two processes record some of their probes alongside the ordering step
+            got[workers] = ((s.terms(1), s.terms(4)), s.runs, len(s._probe_s["short"]), said)
     (t4, runs, timed, _), (u4, runs2, timed2, said) = got["1"], got["2"]
     assert t4 == u4
     assert (runs, timed) == (runs2, timed2)
     mine = [m for m in said if m.startswith("probing batch 4 on 6 of 8 blocks") and "(2 processes)" in m]
     assert mine
     assert len(mine) < len(s.options) + 2  # the other process's probes are silent
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="probes are shared out over forked processes on Linux only")
+def test_first_probes_recorded_alongside_the_ordering_step_are_the_later_ones(monkeypatch):
+    """With two processes, a forked one records the first shortened probes while this one records the
+    ordering step (searcher._early_probes): they are kept, and each is the cut one process records."""
+    cuts = {}
+    for workers in ("2", "1"):
+        monkeypatch.setenv(WORKERS_ENV, workers)
+        with _runner("cuda", Decoder) as runner:
+            s = Searcher(runner)
+            s.order_units(1)
+            early = dict(s._short_cuts)
+            s.terms(1), s.terms(4)
+            cuts[workers] = (early, dict(s._short_cuts))
+    early, later = cuts["2"]
+    assert len(early) == searcher_module.EARLY_PROBES  # kept: no checkpointing at 1 and 4, two more at 1
+    assert {b for b, _ in early} == {1, 4}
+    assert not cuts["1"][0]  # one process: nothing is recorded before the ordering step ends
+    assert early.items() <= later.items() and later == cuts["1"][1]

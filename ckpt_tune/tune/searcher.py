@@ -88,6 +88,8 @@ SEGMENT_WORK = 640
 ONE_SAMPLE_FAILS = "more than 1 value per channel"
 # Plans with estimated segment terms verified per batch before segments not yet measured are dropped.
 SEGMENT_TRIALS = 4
+# Shortened probes recorded alongside the ordering step (about as long as it, for a 7B's 32 blocks).
+EARLY_PROBES = 4
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,8 @@ class Searcher:
         self._pid = os.getpid()  # a forked process that records probes (measure/forked.py) is not this one
         self._forks = False  # probes may be shared out over forked processes (set by order_units)
         self._dropped: set[str] = set()  # finer options whose probe step failed (never offered again)
+        # (batch, choice) -> the peak of a plan verified alongside the probes at that batch (prefetch)
+        self._speculated: dict[tuple[int, tuple[int, ...]], int] = {}
         # (unit, policy) -> a policy's recompute time over the whole block's, measured by order_units
         self._ratios: dict[tuple[str, str], float] = {}
 
@@ -204,7 +208,55 @@ class Searcher:
         blocks do not form a chain of their own is one unit (candidates.chain_of)."""
         self.progress(f"recording batch {batch_size} at full depth (orders the blocks; also the no-checkpointing probe)")
         with self._stage("order"):
-            self._order_units(batch_size)
+            rep = self._early_repeat()
+            if rep is None:
+                self._order_units(batch_size)
+                return
+            # this process records the ordering step, a forked one the first probes (`_early_probes`)
+            _, early = fork_map(lambda k: self._early_probes(rep, batch_size) if k else self._order_units(batch_size), [0, 1], 2)
+            self._keep_early(early)
+
+    def _early_repeat(self) -> Repeat | None:
+        """The run of identical blocks of the chain as the model declares it (find_blocks' order), when
+        the first shortened probes may be recorded alongside the ordering step: fake steps, a plain or
+        sharded runner, one batch per iteration, and room for a second process."""
+        plain = type(self.runner) is StepRunner or type(self.runner) is ShardedRunner
+        if not (plain and self.runner.fake and self._kind == 1 and usable_workers(2, resident_bytes()) >= 2):
+            return None
+        return find_repeat(self.runner.model, self.units)
+
+    def _early_probes(self, rep: Repeat, b1: int) -> tuple | None:
+        """In a forked process, while the ordering step is recorded: the probes of the shortened chain
+        that every search records first (no checkpointing at both small batches, two more at the
+        first), for the chain, run and options as the model declares them. `_keep_early` keeps them
+        where the ordering step finds the same. Nothing of this process survives it: a failure means
+        only that the probes are recorded later, as they would have been."""
+        if os.getpid() == self._pid:  # the forked process died and fork_map runs its item here: too late
+            return None
+        try:
+            self.repeat = rep
+            self._set_options(b1)
+            none = (0,) * len(rep.short_units)
+            others = [(b1, label, choice) for label, choice in self._short_configs().items() if any(choice)]
+            todo = [(b1, "none", none), (self.b2, "none", none), *others[:EARLY_PROBES - 2]]
+            cuts = [(b, choice, *self._record_short(b, choice, label, (j + 1, len(todo)))) for j, (b, label, choice) in enumerate(todo)]
+            return self.units, rep, self.options, cuts
+        except Exception:  # any failure: see the docstring
+            return None
+
+    def _keep_early(self, early: tuple | None) -> None:
+        """Keep the probes `_early_probes` recorded if the ordering step found the chain, the run of
+        identical blocks and the options they were recorded with."""
+        if early is None or early[:3] != (self.units, self.repeat, self.options):
+            return
+        for b, choice, cut, seconds in sorted(early[3], key=lambda c: any(c[1])):  # the no-checkpointing probes first
+            self._keep_short((b, choice), cut, seconds)
+
+    def _set_options(self, batch_size: int) -> None:
+        """The options of every block: stored, checkpointed whole, its sub-modules, the useful op policies."""
+        subs = find_sub_options(self.runner.model, self.units) if "submodules" in self.candidates else []
+        policies = self._useful_policies(batch_size) if "ops" in self.candidates else []
+        self.options = ("none", "block", *subs, *(policy_option(p) for p in policies))
 
     def _order_units(self, batch_size: int) -> None:
         m = self.runner.measure(batch_size, units=(*self.units, *self.groups))
@@ -232,9 +284,7 @@ class Searcher:
         self.repeat = find_repeat(self.runner.model, self.units) if plain else None
         # fake steps allocate nothing and compete for no RAM: independent probes may run side by side
         self._forks = plain and self.runner.fake
-        subs = find_sub_options(self.runner.model, self.units) if "submodules" in self.candidates else []
-        policies = self._useful_policies(batch_size) if "ops" in self.candidates else []
-        self.options = ("none", "block", *subs, *(policy_option(p) for p in policies))
+        self._set_options(batch_size)
         keys: set[tuple[int, int]] = set(self.spans)
         if self.use_segments:
             # a segment may span blocks called as a chain: each one's input is the previous one's output
@@ -335,6 +385,7 @@ class Searcher:
             cache.clear()
         self._short_cuts.clear()
         self._costs.clear()
+        self._speculated.clear()  # its choices number the options as they were
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         self.notes.append(f"option {name} dropped: its probe step failed ({type(error).__name__}: {first[:160]})")
 
@@ -534,50 +585,81 @@ class Searcher:
         self._record_shorts([(batch_size, label, choice, (j + 1, n)) for j, (label, choice) in enumerate(configs.items())])
         return [self._short_cuts[(batch_size, choice)] for choice in configs.values()]
 
-    def _record_shorts(self, probes: list, timing: tuple[int, ...] = ()) -> None:
-        """Record the shortened probes (batch, label, choice, (j, n)) not yet recorded, and count FLOPs
-        at the `timing` batches not yet timed, all shared out over the cores in one go (measure/forked.py):
-        the probes of a batch, and of several batches, do not depend on each other. A configuration's
-        no-checkpointing probe at its batch is recorded with it (`_keep_short` needs its moments)."""
+    def _record_shorts(self, probes: list, timing: tuple[int, ...] = (), plan: tuple | None = None) -> None:
+        """Record the shortened probes (batch, label, choice, (j, n)) not yet recorded, count FLOPs at
+        the `timing` batches not yet timed, and verify `plan` (batch, names, choice) at full depth, all
+        shared out over the cores in one go (measure/forked.py): none depends on another. A
+        configuration's no-checkpointing probe at its batch is recorded with it (`_keep_short` needs its
+        moments)."""
         none = (0,) * len(self.repeat.short_units)
         todo = {(b, choice): (b, label, choice, step) for b, label, choice, step in probes}
         for b, _label, _choice, step in list(todo.values()):
             todo.setdefault((b, none), (b, "none", none, (1, step[1])))
         todo = {k: v for k, v in todo.items() if k not in self._short_cuts}
-        # the no-checkpointing probes first: they run the optimizer step, the longest
         items = [("short", v) for k, v in sorted(todo.items(), key=lambda kv: any(kv[0][1]))]
-        items[1:1] = [("time", b) for b in dict.fromkeys(timing) if b not in self._costs]
+        items += [("time", b) for b in dict.fromkeys(timing) if b not in self._costs]
+        items += [("verify", plan)] if plan is not None and (plan[0], plan[2]) not in self._speculated else []
         if not items:
             return
         workers = self._workers(len(items))
+        # expected seconds, in probes: the optimizer step and a FLOP count are longer, a verification is
+        # a step at full depth with its recompute
+        depth = len(self.units) / len(self.repeat.short_units)
+        costs = [1.5 if k == "time" else 1.2 * depth if k == "verify" else 1.0 + 0.2 * (not any(w[2])) for k, w in items]
 
         def run(item):
             kind, what = item
+            t0 = time.perf_counter()
             if kind == "time":
-                t0 = time.perf_counter()
                 return self._time(what), time.perf_counter() - t0
+            if kind == "verify":
+                b, names, _choice = what
+                self._say(f"verifying batch {b} with {len(names)} checkpoints, while the probes at that batch run")
+                m = self.runner.measure(b, checkpoint=list(names), units=self.units)
+                return m.peak_bytes, time.perf_counter() - t0
             b, label, choice, _step = what
             # numbered among this share-out's items: the progress line's time left is the share-out's
             return self._record_short(b, choice, label, (items.index(item) + 1, len(items)), workers)
 
-        got = dict(zip(items, fork_map(run, items, workers), strict=True))
+        got = dict(zip(items, fork_map(run, items, workers, costs), strict=True))
         for (kind, what), res in sorted(got.items(), key=lambda kv: kv[0][0] != "short" or any(kv[0][1][2])):
             if kind == "time":
                 self._costs[what] = res[0]
+            elif kind == "verify":
+                self.runs += 1
+                self._speculated[(what[0], what[2])] = res[0]
             else:
                 self._keep_short((what[0], what[2]), *res)
 
-    def prefetch(self, batches: tuple[int, ...], timing: tuple[int, ...] = ()) -> None:
+    def prefetch(self, batches: tuple[int, ...], timing: tuple[int, ...] = (), budget: int | None = None) -> None:
         """Under fake tensors with a shortened chain, record every probe of these batches (and count FLOPs
         at `timing`) in one share-out, before the search asks for them one batch at a time. A probe that
-        fails here (an op policy torch refuses) is left to `terms`, which drops its option."""
+        fails here (an op policy torch refuses) is left to `terms`, which drops its option.
+
+        With a `budget` and one batch not probed before, the plan solved at that batch on terms fitted
+        from the two small batches is verified in the same share-out: where the probed terms then give
+        the same plan, the search takes that verification (`search`); the plan is still the one the
+        probed terms choose, measured at full depth."""
         if self.repeat is None or not self._forks or self._kind != 1:
             return
         configs = self._short_configs()
         n = len(configs)
         probes = [(b, label, choice, (j + 1, n)) for b in batches for j, (label, choice) in enumerate(configs.items())]
-        with self._stage("probe"), contextlib.suppress(_OptionFailed):
-            self._record_shorts(probes, timing)
+        plan = self._likely_plan(batches[0], budget) if budget is not None and len(batches) == 1 else None
+        with self._stage("probe" if plan is None else "probe+verify"), contextlib.suppress(_OptionFailed):
+            self._record_shorts(probes, timing, plan)
+
+    def _likely_plan(self, b: int, budget: int) -> tuple | None:
+        """(b, names, choice) of the plan the fitted terms choose at b, when its verification can be
+        shared out with the probes there: b not yet probed, an iteration of one batch, a measured step
+        (not divided by arithmetic), and no segment (whose terms a verification would teach)."""
+        if b in self._terms or b in (self.b1, self.b2) or self.accum_steps != 1 or self.sharding == "arithmetic":
+            return None
+        t = self.fitted(b, self.b1, self.b2)
+        sol = solve(t, self.costs(self.b1), budget)
+        if sol is None or segments_of(sol.choice):
+            return None
+        return b, tuple(sol.names(t)), sol.choice
 
     def _shortened_terms(self, batch_size: int) -> Terms | None:
         """Full-depth terms extended from probes on the shortened chain (repeats.extend); None when a
@@ -694,10 +776,10 @@ class Searcher:
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         return lo
 
-    def _min_peak_at(self, b: int, b1: int) -> int:
+    def _min_peak_at(self, b: int, b1: int, budget: int) -> int:
         """Smallest predicted peak at b, on terms probed at b itself (and FLOPs counted there, should b
         be the answer, in the same share-out)."""
-        self.prefetch((b,), timing=(b,) if b not in (self.b1, self.b2) else ())
+        self.prefetch((b,), timing=(b,) if b not in (self.b1, self.b2) else (), budget=budget)
         return min_peak(self.terms(b), self.costs(b1)).peak
 
     def _settle(self, guess: int, budget: int, b1: int, b2: int) -> int:
@@ -710,7 +792,7 @@ class Searcher:
 
         def peak(b: int) -> int:
             if b not in seen:
-                seen[b] = self._min_peak_at(b, b1)
+                seen[b] = self._min_peak_at(b, b1, budget)
             return seen[b]
 
         lo, hi = (b2, None) if peak(b2) <= budget else (b1, b2)
@@ -783,6 +865,8 @@ class Searcher:
                     b, room, tightened, verified, trials = b - 1, budget, 0, {}, 0
                     continue
                 raise self._no_fit(budget, b, verified)
+            if sol.choice not in verified and (b, sol.choice) in self._speculated and self.accum_steps == 1:
+                verified[sol.choice] = self._speculated[(b, sol.choice)]  # verified alongside the probes at b
             if sol.choice not in verified:
                 segs = segments_of(sol.choice)
                 estimated = any(self._prev_of(sol.choice, i) not in self.terms(b).segments[(i, j)].measured for i, j in segs)
