@@ -39,7 +39,7 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
     unset_fake_temporarily,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ckpt_tune.errors import CkptTuneError
@@ -88,6 +88,7 @@ CUDA_WORKSPACE_OPS = frozenset(
 CALIBRATE_LIMIT = 256 << 20
 FAKE_HINT = "use --device cpu on a smaller config"
 _RECORD_FUNCTION_ENTER = torch.ops.profiler._record_function_enter_new.default
+_RECORD_FUNCTION_EXIT = torch.ops.profiler._record_function_exit._RecordFunction
 # `tensor.device` under a dispatch mode: the most frequent op of a step (FSDP2 and autograd ask it
 # thousands of times), which allocates nothing
 _DEVICE = torch.ops.prim.device.default
@@ -99,6 +100,19 @@ def _device(func, args):
     if type(t) is FakeTensor and not t.fake_mode.in_kernel_invocation:
         return t.fake_device
     return func(*args)
+
+
+def _record_function(func, args, kwargs):
+    """A `record_function` range (FSDP2 opens one per hook) as the fake mode runs it (fake_impls.py),
+    without dispatching it further: the real op on entry, nothing on exit."""
+    if func is _RECORD_FUNCTION_EXIT:
+        return None
+    with _disable_current_modes():
+        return func(*args, **kwargs)
+
+
+# ops the fake mode answers without fake tensors, answered here as it would (a third of a step's ops)
+_SHORTCUTS = {_DEVICE: lambda func, args, kwargs: _device(func, args), _RECORD_FUNCTION_ENTER: _record_function, _RECORD_FUNCTION_EXIT: _record_function}
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 
 # What a kernel allocates beyond fake mode's view: (bytes of each output, None where fake mode's size is
@@ -239,9 +253,9 @@ class _MetaGaps(TorchDispatchMode):
     """Outputs for the few ops whose meta kernel refuses inputs the CPU kernel accepts (`_META_GAPS`)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _DEVICE:
-            return _device(func, args)
         kwargs = kwargs or {}
+        if func in _SHORTCUTS:
+            return _SHORTCUTS[func](func, args, kwargs)
         fill = _META_GAPS.get(func)
         out = fill(args, kwargs) if fill is not None else None
         return func(*args, **kwargs) if out is None else out
@@ -343,14 +357,14 @@ class _Dispatch(TorchDispatchMode):
         self.rec = rec
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _DEVICE:
-            return _device(func, args)
         kwargs = kwargs or {}
         rec = self.rec
         if func is _RECORD_FUNCTION_ENTER and rec._intercept_marks:
             name = args[0] if args else None
             if isinstance(name, str) and name.startswith(timeline.PREFIX):
                 rec._marker(name[len(timeline.PREFIX) :])
+        if func in _SHORTCUTS:
+            return _SHORTCUTS[func](func, args, kwargs)
         cal = rec._scratch(func, args, kwargs) if func in rec._hidden else None
         if cal is None and func is aten.native_batch_norm.default:
             cal = _batch_norm_sizes(args)
