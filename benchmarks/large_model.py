@@ -3,7 +3,7 @@ and plan, for this checkout and, side by side in the same run, for the same chec
 (CKPT_TUNE_WORKERS=1: no probe shared out over forked processes) and recording every step at full depth
 (identical blocks not shortened), or for an earlier commit (issue 14).
 
-    python benchmarks/large_model.py [--before full-depth | --before <commit>] [--only 7b] [--no-one-process]
+    python benchmarks/large_model.py [--before full-depth | --before <commit>] [--only 7b] [--no-one-process] [--also <commit>]
 
 Each command runs in a fresh child process whose checkout comes first on sys.path; the child reports
 its own peak RSS and the largest of the processes it forked (getrusage) at exit. The rule: where both
@@ -116,10 +116,15 @@ def main() -> None:
                     help="keep the rows of results/large_model.json that --only does not name, run the others")
     ap.add_argument("--no-before", action="store_true", help="run this checkout only (rows say 'not compared')")
     ap.add_argument("--no-one-process", action="store_true", help="leave out the run of this checkout in one process")
+    ap.add_argument("--also", metavar="COMMIT", help="also run each command once at this commit (an earlier checkout's "
+                    "times side by side: no verdict)")
     a = ap.parse_args()
     tree = Path("/tmp/i14/before")
     if not a.no_before and a.before != FULL_DEPTH and not tree.exists():
         subprocess.run(["git", "worktree", "add", "--detach", str(tree), a.before], cwd=ROOT, check=True, capture_output=True)
+    also_tree = Path(f"/tmp/i14/also-{a.also}")
+    if a.also and not also_tree.exists():
+        subprocess.run(["git", "worktree", "add", "--detach", str(also_tree), a.also], cwd=ROOT, check=True, capture_output=True)
     rows: dict = {}
     saved = ROOT / "benchmarks" / "results" / "large_model.json"
     if a.resume and saved.exists():
@@ -139,6 +144,10 @@ def main() -> None:
             rows[name] = {"args": args, "before": before, "after": after, "verdict": verdict(before, after)}
         if one:
             rows[name].update(one_process=one, one_process_verdict=verdict(one, after))
+        if a.also:
+            also = run(also_tree, args, a.timeout)
+            print(name, a.also, also, file=sys.stderr, flush=True)
+            rows[name].update(also=also, also_commit=a.also)
         report(rows, a.before)  # after every command: a long run keeps what it measured
     report(rows, a.before)
 
@@ -164,10 +173,11 @@ def report(rows: dict, before_commit: str) -> None:
     names = {"before": a_before, "after": "this (shortened)" if a_before == FULL_DEPTH else "this",
              "one_process": "this, one process"}
     for name, r in rows.items():
-        for label in ("after", "one_process", "before"):
+        for label in ("after", "one_process", "before", "also"):
             x = r.get(label)
             if not x:
                 continue
+            names["also"] = f"{r.get('also_commit')} (earlier checkout)"
             say = r["verdict"] if label == "after" else r.get("one_process_verdict", "") if label == "one_process" else ""
             lines.append(
                 f"| {name} | {names[label]} | {x.get('exit_code')} | {x.get('wall_s')} | "
@@ -179,6 +189,9 @@ def report(rows: dict, before_commit: str) -> None:
         if "error" in r["after"] and "error" in r.get("before", {}):
             same = "identical" if r["after"]["error"] == r["before"]["error"] else "DIFFERENT"
             lines += ["", f"{name}: error messages {same}: `{r['after']['error'][:200]}`"]
+    if any(r.get("also") for r in rows.values()):
+        lines += ["", "The earlier checkout's rows are that commit's code run the same way in the same run (times side by "
+                  "side; its plans are not judged)."]
     lines += ["", "Verdict of the one-process row: against the default run (the same plan expected). Timings: compare "
               "the runs of one command, made one after the other on the machine above; the default run shares probe "
               "steps and frontier solves out over forked processes, one per core (CKPT_TUNE_WORKERS), and the "
