@@ -14,6 +14,7 @@ from ckpt_tune.measure import fake_inputs, loader
 from ckpt_tune.measure.forked import WORKERS_ENV
 from ckpt_tune.measure.runner import StepRunner, StepSettings
 from ckpt_tune.tune import searcher as searcher_module
+from ckpt_tune.tune.planner import min_peak
 from ckpt_tune.tune.repeats import find_repeat
 from ckpt_tune.tune.searcher import Searcher
 
@@ -248,3 +249,23 @@ def test_first_probes_recorded_alongside_the_ordering_step_are_the_later_ones(mo
     assert {b for b, _ in early} == {1, 4}
     assert not cuts["1"][0]  # one process: nothing is recorded before the ordering step ends
     assert early.items() <= later.items() and later == cuts["1"][1]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="probes are shared out over forked processes on Linux only")
+def test_verification_and_frontier_alongside_a_batchs_probes_are_the_ones_run_after(monkeypatch):
+    """A settle batch's share-out also verifies the plan fitted terms choose there and solves the
+    frontier around it (searcher.prefetch): the verified peak is the one a verification run afterwards
+    measures, and frontier() returns the rows it would solve."""
+    monkeypatch.setenv(WORKERS_ENV, "2")
+    with _runner("cuda", Decoder) as runner:
+        s = Searcher(runner)
+        s.order_units(1)
+        budget = min_peak(s.fitted(8, 1, 4), s.costs(1)).peak
+        s.prefetch((8,), timing=(8,), budget=budget)
+        (b, choice), peak = next(iter(s._speculated.items()))
+        assert b == 8
+        sizes = s.frontier_sizes(8)
+        cached = s.frontier(budget, sizes, 1, 4, 8)
+        s._frontiers.clear()
+        assert cached == s.frontier(budget, sizes, 1, 4, 8)
+        assert peak == s.verify(8, tuple(s.terms(8).names(choice)), choice)

@@ -75,10 +75,11 @@ def search(
         if target_batch is not None:
             res = _fit_target_batch(searcher, res, target_batch, budget.usable_bytes)
         b1, b2 = searcher.b1, searcher.b2
-        sizes = sorted({b1, b2, max(1, res.batch_size // 2), res.batch_size, res.batch_size + 1})
+        sizes = searcher.frontier_sizes(res.batch_size)
         res.frontier = searcher.frontier(budget.usable_bytes, sizes, b1, b2, res.batch_size)
-        res.frontier = [
-            r if r.batch_size != res.batch_size else replace(r, plan=res.checkpoint, predicted_peak=res.predicted_peak, recompute_fraction=res.recompute_fraction)
+        res.frontier = [  # the answer's row is the verified plan
+            r if r.batch_size != res.batch_size
+            else replace(r, plan=res.checkpoint, predicted_peak=res.predicted_peak, recompute_fraction=res.recompute_fraction, fits=True)
             for r in res.frontier
         ]
         res.notes.extend(n for n in runner.notes if n not in res.notes)

@@ -191,6 +191,10 @@ class Searcher:
         self._dropped: set[str] = set()  # finer options whose probe step failed (never offered again)
         # (batch, choice) -> the peak of a plan verified alongside the probes at that batch (prefetch)
         self._speculated: dict[tuple[int, tuple[int, ...]], int] = {}
+        # frontiers solved alongside probes (frontier()): key -> (rows, _version, batches probed then)
+        self._frontiers: dict[tuple, tuple[list[FrontierRow], int, frozenset[int]]] = {}
+        self._version = 0  # counts changes to recorded terms other than new batches (options, segments)
+        self._settled = False  # whether this search's settle has probed a batch (see _min_peak_at)
         # (unit, policy) -> a policy's recompute time over the whole block's, measured by order_units
         self._ratios: dict[tuple[str, str], float] = {}
 
@@ -386,6 +390,7 @@ class Searcher:
         self._short_cuts.clear()
         self._costs.clear()
         self._speculated.clear()  # its choices number the options as they were
+        self._version += 1
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         self.notes.append(f"option {name} dropped: its probe step failed ({type(error).__name__}: {first[:160]})")
 
@@ -585,7 +590,7 @@ class Searcher:
         self._record_shorts([(batch_size, label, choice, (j + 1, n)) for j, (label, choice) in enumerate(configs.items())])
         return [self._short_cuts[(batch_size, choice)] for choice in configs.values()]
 
-    def _record_shorts(self, probes: list, timing: tuple[int, ...] = (), plan: tuple | None = None) -> None:
+    def _record_shorts(self, probes: list, timing: tuple[int, ...] = (), plan: tuple | None = None, budget: int | None = None) -> None:
         """Record the shortened probes (batch, label, choice, (j, n)) not yet recorded, count FLOPs at
         the `timing` batches not yet timed, and verify `plan` (batch, names, choice) at full depth, all
         shared out over the cores in one go (measure/forked.py): none depends on another. A
@@ -597,7 +602,12 @@ class Searcher:
             todo.setdefault((b, none), (b, "none", none, (1, step[1])))
         todo = {k: v for k, v in todo.items() if k not in self._short_cuts}
         items = [("short", v) for k, v in sorted(todo.items(), key=lambda kv: any(kv[0][1]))]
-        items += [("time", b) for b in dict.fromkeys(timing) if b not in self._costs]
+        # with a plan to verify, the frontier around its batch is solved after the FLOP count there (the
+        # search's answer is most often that batch); on the small batches' terms, probed before
+        rows = None
+        if plan is not None and budget is not None and {self.b1, self.b2} <= set(self._terms):
+            rows = (budget, plan[0], self.frontier_sizes(plan[0]), frozenset(self._terms))
+        items += [("frontier" if rows and b == plan[0] else "time", b) for b in dict.fromkeys(timing) if b not in self._costs]
         items += [("verify", plan)] if plan is not None and (plan[0], plan[2]) not in self._speculated else []
         if not items:
             return
@@ -605,13 +615,18 @@ class Searcher:
         # expected seconds, in probes: the optimizer step and a FLOP count are longer, a verification is
         # a step at full depth with its recompute
         depth = len(self.units) / len(self.repeat.short_units)
-        costs = [1.5 if k == "time" else 1.2 * depth if k == "verify" else 1.0 + 0.2 * (not any(w[2])) for k, w in items]
+        costs = [{"time": 1.5, "frontier": 2.5, "verify": 1.2 * depth}.get(k) or 1.0 + 0.2 * (not any(w[2])) for k, w in items]
 
         def run(item):
             kind, what = item
             t0 = time.perf_counter()
             if kind == "time":
                 return self._time(what), time.perf_counter() - t0
+            if kind == "frontier":
+                timed = self._time(what)
+                budget_, b, sizes, _ = rows
+                frontier = [self._row(x, budget_, self.b1, self.b2, timed[0], timed[1]) for x in sizes]
+                return timed, frontier, time.perf_counter() - t0
             if kind == "verify":
                 b, names, _choice = what
                 self._say(f"verifying batch {b} with {len(names)} checkpoints, while the probes at that batch run")
@@ -625,6 +640,10 @@ class Searcher:
         for (kind, what), res in sorted(got.items(), key=lambda kv: kv[0][0] != "short" or any(kv[0][1][2])):
             if kind == "time":
                 self._costs[what] = res[0]
+            elif kind == "frontier":
+                self._costs[what] = res[0]
+                budget_, b, sizes, known = rows
+                self._frontiers[(self._kind, budget_, tuple(sizes), self.b1, self.b2, b)] = (res[1], self._version, known)
             elif kind == "verify":
                 self.runs += 1
                 self._speculated[(what[0], what[2])] = res[0]
@@ -647,7 +666,7 @@ class Searcher:
         probes = [(b, label, choice, (j + 1, n)) for b in batches for j, (label, choice) in enumerate(configs.items())]
         plan = self._likely_plan(batches[0], budget) if budget is not None and len(batches) == 1 else None
         with self._stage("probe" if plan is None else "probe+verify"), contextlib.suppress(_OptionFailed):
-            self._record_shorts(probes, timing, plan)
+            self._record_shorts(probes, timing, plan, budget)
 
     def _likely_plan(self, b: int, budget: int) -> tuple | None:
         """(b, names, choice) of the plan the fitted terms choose at b, when its verification can be
@@ -709,6 +728,7 @@ class Searcher:
             return
         tl = measurement.timeline
         cut = cut_run(tl.live_at, tl.max_between, tl.markers, self.units, choice, pick=-1)
+        self._version += 1
         known = self._measured_segments.setdefault(batch_size, {})
         for i, j in segs:
             prev = self._prev_of(choice, i)
@@ -724,6 +744,7 @@ class Searcher:
     def drop_estimated_segments(self, batch_size: int) -> None:
         """Keep only segments whose terms were measured (for the predecessor options measured)."""
         self.terms(batch_size)
+        self._version += 1
         t = self._terms[batch_size]
         self._terms[batch_size] = replace(t, segments={k: v for k, v in t.segments.items() if v.measured})
 
@@ -779,7 +800,11 @@ class Searcher:
     def _min_peak_at(self, b: int, b1: int, budget: int) -> int:
         """Smallest predicted peak at b, on terms probed at b itself (and FLOPs counted there, should b
         be the answer, in the same share-out)."""
-        self.prefetch((b,), timing=(b,) if b not in (self.b1, self.b2) else (), budget=budget)
+        # the first batch settle probes is the fitted guess, most often the answer: its plan is verified
+        # alongside (a later one is a step of a walk, where a verification each would mostly be wasted)
+        first = not self._settled and b not in (self.b1, self.b2)
+        self._settled = self._settled or first
+        self.prefetch((b,), timing=(b,) if b not in (self.b1, self.b2) else (), budget=budget if first else None)
         return min_peak(self.terms(b), self.costs(b1)).peak
 
     def _settle(self, guess: int, budget: int, b1: int, b2: int) -> int:
@@ -834,6 +859,7 @@ class Searcher:
 
     def search(self, budget: int, batch_size: int | None = None, b1: int | None = None, b2: int | None = None) -> SearchResult:
         self.b1, self.b2 = b1 or self.b1, b2 or self.b2
+        self._settled = False
         try:
             self.order_units(self.b1)
         except Exception as e:  # raised by the user's model (session.user_errors words it for the user)
@@ -899,6 +925,7 @@ class Searcher:
             key for key in self.segment_keys if key in self.spans or not links & set(range(key[0] + 1, key[1] + 1))
         )
         keep = set(self.segment_keys)
+        self._version += 1
         for b, t in self._terms.items():
             self._terms[b] = replace(t, segments={k: v for k, v in t.segments.items() if k in keep})
         for known in self._measured_segments.values():
@@ -936,22 +963,30 @@ class Searcher:
         res.stage_seconds = dict(self.stage_seconds)
         return res
 
+    def frontier_sizes(self, b: int) -> list[int]:
+        """The batch sizes the frontier shows around answer b."""
+        return sorted({self.b1, self.b2, max(1, b // 2), b, b + 1})
+
     def frontier(self, budget: int, batch_sizes: list[int], b1: int, b2: int, timed_at: int) -> list[FrontierRow]:
-        """Best plan per batch size on fitted terms; recompute as a fraction of the step timed at `timed_at`."""
+        """Best plan per batch size on fitted terms; recompute as a fraction of the step timed at `timed_at`.
+        Rows solved alongside the probes at `timed_at` (`_record_shorts`) are taken as they came, where
+        nothing they rest on changed since."""
+        got = self._frontiers.get((self._kind, budget, tuple(batch_sizes), b1, b2, timed_at))
+        if got is not None and got[1] == self._version and set(self._terms) - {timed_at} == got[2]:
+            return list(got[0])
         costs, step = self.costs(timed_at), self.step_ms(timed_at)
         self.terms(b1), self.terms(b2)  # probed here, before the solves are shared out
-
-        def row(b: int) -> FrontierRow:
-            t = self.fitted(b, b1, b2)
-            sol = solve(t, costs, budget)
-            if sol is None:
-                mp = min_peak(t, costs)
-                return FrontierRow(b, mp.names(t), mp.peak, round(mp.cost / step, 4), False)
-            return FrontierRow(b, sol.names(t), sol.peak, round(sol.cost / step, 4), True)
-
         # each batch's solve is pure arithmetic on recorded terms: under fake tensors, where a 70B's
         # loose budget at batch 1 makes a large DP, they are shared out over the cores (measure/forked.py)
-        return fork_map(row, batch_sizes, self._workers(len(batch_sizes)))
+        return fork_map(lambda b: self._row(b, budget, b1, b2, costs, step), batch_sizes, self._workers(len(batch_sizes)))
+
+    def _row(self, b: int, budget: int, b1: int, b2: int, costs, step: float) -> FrontierRow:
+        t = self.fitted(b, b1, b2)
+        sol = solve(t, costs, budget)
+        if sol is None:
+            mp = min_peak(t, costs)
+            return FrontierRow(b, mp.names(t), mp.peak, round(mp.cost / step, 4), False)
+        return FrontierRow(b, sol.names(t), sol.peak, round(sol.cost / step, 4), True)
 
     def _states(self) -> tuple[int, int, int]:
         """(parameters, gradients, optimizer state) on one GPU, as of the last recorded step."""
