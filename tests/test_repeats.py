@@ -248,7 +248,8 @@ def test_first_probes_recorded_alongside_the_ordering_step_are_the_later_ones(mo
     assert len(early) == searcher_module.EARLY_PROBES  # kept: no checkpointing at 1 and 4, two more at 1
     assert {b for b, _ in early} == {1, 4}
     assert not cuts["1"][0]  # one process: nothing is recorded before the ordering step ends
-    assert early.items() <= later.items() and later == cuts["1"][1]
+    assert early.items() <= later.items()
+    assert later == cuts["1"][1]
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="probes are shared out over forked processes on Linux only")
