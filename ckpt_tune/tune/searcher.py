@@ -655,8 +655,9 @@ class Searcher:
         at `timing`) in one share-out, before the search asks for them one batch at a time. A probe that
         fails here (an op policy torch refuses) is left to `terms`, which drops its option.
 
-        With a `budget` and one batch not probed before, the plan solved at that batch on terms fitted
-        from the two small batches is verified in the same share-out: where the probed terms then give
+        With a `budget`, one batch not probed before and more than one process, the plan solved at that
+        batch on terms fitted from the two small batches is verified in the same share-out (and the
+        frontier around it solved): where the probed terms then give
         the same plan, the search takes that verification (`search`); the plan is still the one the
         probed terms choose, measured at full depth."""
         if self.repeat is None or not self._forks or self._kind != 1:
@@ -664,7 +665,9 @@ class Searcher:
         configs = self._short_configs()
         n = len(configs)
         probes = [(b, label, choice, (j + 1, n)) for b in batches for j, (label, choice) in enumerate(configs.items())]
-        plan = self._likely_plan(batches[0], budget) if budget is not None and len(batches) == 1 else None
+        # in one process a verification beside the probes only runs sooner, or in vain where the plan differs
+        alongside = budget is not None and len(batches) == 1 and self._workers(2) > 1
+        plan = self._likely_plan(batches[0], budget) if alongside else None
         with self._stage("probe" if plan is None else "probe+verify"), contextlib.suppress(_OptionFailed):
             self._record_shorts(probes, timing, plan, budget)
 
