@@ -530,16 +530,7 @@ class FakeRecorder:
         self._alloc(t.untyped_storage(), key, size)
 
     def _build(self) -> Timeline:
-        tl = Timeline()
-        live = 0
-        for t, d, key in self._events:
-            live += d
-            tl.times.append(t)
-            tl.deltas.append(d)
-            tl.ptrs.append(key)
-            tl.live.append(live)
-        tl.markers = {k: list(v) for k, v in self._markers.items()}
-        return tl
+        return Timeline.of(self._events, self._markers)
 
 
 _RECORDERS: list[FakeRecorder] = []

@@ -17,7 +17,7 @@ import contextlib
 import gc
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -110,11 +110,15 @@ class Timeline:
 
     def without(self, drop: set[int]) -> Timeline:
         """The curve without the events at these indices (markers unchanged)."""
-        tl = Timeline(markers={k: list(v) for k, v in self.markers.items()})
+        events = zip(self.times, self.deltas, self.ptrs, strict=True)
+        return Timeline.of((e for k, e in enumerate(events) if k not in drop), self.markers)
+
+    @classmethod
+    def of(cls, events: Iterable[tuple[int, int, int]], markers: dict[str, list[int]]) -> Timeline:
+        """The curve of (time, delta, ptr) events in time order, with these markers."""
+        tl = cls(markers={k: list(v) for k, v in markers.items()})
         live = 0
-        for k, (t, d, p) in enumerate(zip(self.times, self.deltas, self.ptrs, strict=True)):
-            if k in drop:
-                continue
+        for t, d, p in events:
             live += d
             tl.times.append(t)
             tl.deltas.append(d)
@@ -196,12 +200,12 @@ class Recorder:
             elif e.tag == _EventType.TorchOp and e.name.startswith(self.prefix):
                 rows.append((e.start_time_ns, seq, 0, 0, e.name))
         rows.sort(key=lambda r: (r[0], r[1]))
-        tl = Timeline()
-        live = 0
+        markers: dict[str, list[int]] = {}
+        events: list[tuple[int, int, int]] = []
         born: set[int] = set()  # blocks allocated while recording
         for t, _seq, d, p, name in rows:
             if name:
-                tl.markers.setdefault(name[len(self.prefix):], []).append(t)
+                markers.setdefault(name[len(self.prefix):], []).append(t)
                 continue
             if d > 0:
                 born.add(p)
@@ -209,9 +213,5 @@ class Recorder:
                 continue  # a block from before recording (see __enter__): not part of this iteration
             else:
                 born.discard(p)
-            live += d
-            tl.times.append(t)
-            tl.deltas.append(d)
-            tl.ptrs.append(p)
-            tl.live.append(live)
-        return tl
+            events.append((t, d, p))
+        return Timeline.of(events, markers)
