@@ -143,7 +143,9 @@ def fork_map(fn: Callable[[T], R], items: Sequence[T], workers: int, costs: Sequ
         with contextlib.suppress(Exception):
             stream.flush()
     # the collector leaves the inherited objects alone in the children: fewer pages copied. No collection
-    # first (0.2 s per call in a 7B search): garbage inherited is only dropped with the short-lived child
+    # first (0.2 s per call in a 7B search): garbage inherited is only dropped with the short-lived child.
+    # Objects a caller froze (runner.StepRunner) stay frozen after
+    frozen = gc.get_freeze_count() > 0
     gc.freeze()
     try:
         for share in shares[1:]:
@@ -159,7 +161,8 @@ def fork_map(fn: Callable[[T], R], items: Sequence[T], workers: int, costs: Sequ
             os.close(w)
             children.append((pid, r, share))
     finally:
-        gc.unfreeze()
+        if not frozen:
+            gc.unfreeze()
     results: dict[int, tuple[str, Any]] = {}
     unread, unreaped = {r for _p, r, _s in children}, {p for p, _r, _s in children}
     try:

@@ -12,6 +12,7 @@ one without the profiler.
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -121,6 +122,7 @@ class StepRunner:
         self.scaler = None
         self._warm = False
         self._snapshot: dict[str, Any] = {}
+        self._froze = False  # whether __enter__ froze the collector's objects (gc.freeze)
         self.notes: list[str] = []  # how steps were measured, when not as asked (see measure/host.py)
 
     # -- set-up and restoration ---------------------------------------------------------------
@@ -152,6 +154,14 @@ class StepRunner:
         self.optimizer = vocab.optimizer(self.settings.optimizer).make(params, foreach)
         if self.settings.precision == "fp16-mixed" and not self.fake:  # found_inf.item() is data-dependent
             self.scaler = torch.amp.GradScaler(self.device.type)
+        # Each recorded step collects garbage first (timeline.Recorder). One full collection here, then
+        # the collector leaves what lives now (the model, its states, torch's own objects) alone, and those
+        # collections scan only what the steps create (a full one took 0.13 s per step of the bundled
+        # GPT's search). Not where an outer runner or caller froze already: its unfreeze is its own.
+        self._froze = gc.get_freeze_count() == 0
+        if self._froze:
+            gc.collect()
+            gc.freeze()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -159,6 +169,9 @@ class StepRunner:
             self._exit()
 
     def _exit(self) -> None:
+        if self._froze:
+            gc.unfreeze()
+            self._froze = False
         snap, _m = self._snapshot, self.model
         self.optimizer = None
         for p, g in snap["grads"]:
