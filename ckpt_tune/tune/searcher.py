@@ -24,7 +24,7 @@ import torch
 from ckpt_tune.errors import NoFitError, UserCodeError
 from ckpt_tune.measure.forked import fork_map, resident_bytes, usable_workers
 from ckpt_tune.measure.op_costs import policy_ratios, recompute_shares
-from ckpt_tune.measure.runner import StepRunner, Timing, unique_bytes
+from ckpt_tune.measure.runner import Measurement, StepRunner, Timing, unique_bytes
 from ckpt_tune.measure.sharded import ShardedRunner
 from ckpt_tune.plan.entry import POLICIES, Entry, member_names, to_data
 from ckpt_tune.plan.file import FULLY_SHARDED
@@ -72,8 +72,9 @@ from ckpt_tune.vocab import CANDIDATES
 
 MAX_BATCH = 1 << 16
 # An op policy whose recompute costs more than this fraction of checkpointing the whole block in every
-# block is left out: it keeps more bytes than the whole-block checkpoint for (within timing noise) no
-# less time, and each policy offered costs a recorded step per probed batch.
+# block is left out: it keeps more bytes than the whole-block checkpoint for (within timing noise, or
+# the roofline's error under fake tensors) no less time, and each policy offered costs a recorded step
+# per probed batch.
 WORTH_A_POLICY = 0.9
 # A batch the fitted (linear) terms put this far over budget is taken as not fitting without probing it.
 # Terms are linear in batch size to within allocator granularity; 2% is far above what was observed.
@@ -314,23 +315,28 @@ class Searcher:
                 "op policies that keep no op of any block, left out: "
                 + ", ".join(p for p in POLICIES if p not in useful)
             )
-        if not self.runner.fake and useful:
+        if not useful:
+            return []
+        if self.runner.fake:
+            # no device to time: a policy's cost is the share of the block's forward in the ops it
+            # recomputes, on a roofline (the shares above, which price it in `_time` too)
+            dear = {p: min(shares[(u, p)] for u in self.units) for p in useful}
+            where = f"on a roofline of its ops (counted at batch {batch_size})"
+        else:
             # each kind of block timed alone under each policy, at the second small batch: a policy
-            # torch refuses, or one that costs about as much as checkpointing the whole block
-            # (WORTH_A_POLICY), is left out before any step is recorded with it
+            # torch refuses is left out before any step is recorded with it
             at = max(batch_size, self.b2)
             self._ratios, refused = policy_ratios(self.runner, at, self.units, useful)
             for p, why in refused.items():
                 self.notes.append(f"op policy {p} left out: torch refused it on this model ({why})")
             useful = [p for p in useful if p not in refused]
             dear = {p: min(self._ratios[(u, p)] for u in self.units) for p in useful}
-            for p, worst in dear.items():
-                if worst > WORTH_A_POLICY:
-                    self.notes.append(
-                        f"op policy {p} left out: its recompute costs {worst:.2f}x checkpointing the whole block "
-                        f"on this device (measured at batch {at})"
-                    )
-            useful = [p for p in useful if dear[p] <= WORTH_A_POLICY]
+            where = f"on this device (measured at batch {at})"
+        # one that costs about as much as checkpointing the whole block (WORTH_A_POLICY) is left out
+        for p, worst in dear.items():
+            if worst > WORTH_A_POLICY:
+                self.notes.append(f"op policy {p} left out: its recompute costs {worst:.2f}x checkpointing the whole block {where}")
+        useful = [p for p in useful if dear[p] <= WORTH_A_POLICY]
         return [p for p in useful if policy_option(p) not in self._dropped]
 
     @contextlib.contextmanager
@@ -630,8 +636,7 @@ class Searcher:
             if kind == "verify":
                 b, names, _choice = what
                 self._say(f"verifying batch {b} with {len(names)} checkpoints, while the probes at that batch run")
-                m = self.runner.measure(b, checkpoint=list(names), units=self.units)
-                return m.peak_bytes, time.perf_counter() - t0
+                return self._measure_plan(b, names).peak_bytes, time.perf_counter() - t0
             b, label, choice, _step = what
             # numbered among this share-out's items: the progress line's time left is the share-out's
             return self._record_short(b, choice, label, (items.index(item) + 1, len(items)), workers)
@@ -767,9 +772,7 @@ class Searcher:
             f"verifying batch {batch_size} with {len(names)} checkpoints" + (f" ({n_seg} segments)" if n_seg else "")
         )
         with self._stage("verify"):
-            m = self.runner.measure(
-                batch_size, checkpoint=list(names), units=self.units, attribute=self.sharding == "arithmetic", accum_steps=self.accum_steps
-            )
+            m = self._measure_plan(batch_size, names)
         self.runs += 1
         if batch_size in self._terms:
             self._learn_segments(batch_size, choice, m)
@@ -780,6 +783,13 @@ class Searcher:
 
         moments = (shard_moment(x, self.world_size, self.shard, self.gathered_bytes()) for x in moments_of(m))
         return peak_of(moments).total
+
+    def _measure_plan(self, batch_size: int, names) -> Measurement:
+        """One recorded iteration of a plan at full depth (the verification, here or beside the probes
+        in a forked process): recorded per module where the sharding arithmetic needs the moments."""
+        return self.runner.measure(
+            batch_size, checkpoint=list(names), units=self.units, attribute=self.sharding == "arithmetic", accum_steps=self.accum_steps
+        )
 
     # -- the search -------------------------------------------------------------------------
     def largest_fitting(self, budget: int, b1: int, b2: int) -> int:
