@@ -13,7 +13,7 @@ from torch import nn
 from ckpt_tune.measure import fake_inputs, loader
 from ckpt_tune.measure.forked import WORKERS_ENV
 from ckpt_tune.measure.runner import StepRunner, StepSettings
-from ckpt_tune.tune import searcher as searcher_module
+from ckpt_tune.tune import probing as probing_module
 from ckpt_tune.tune.planner import min_peak
 from ckpt_tune.tune.repeats import find_repeat
 from ckpt_tune.tune.searcher import Searcher
@@ -142,9 +142,7 @@ def test_blocks_that_look_identical_but_record_differently_fall_back(monkeypatch
         s = Searcher(runner)
         s.order_units(1)
         assert s.repeat is not None
-        import ckpt_tune.tune.searcher as searcher_module
-
-        real_cut = searcher_module.cut_run
+        real_cut = probing_module.cut_run
 
         def skewed(*a, **k):  # the second middle block stores one byte more
             c = real_cut(*a, **k)
@@ -154,7 +152,7 @@ def test_blocks_that_look_identical_but_record_differently_fall_back(monkeypatch
                 c = type(c)(c.choice, c.base, c.fixed, tuple(d), c.F, c.B, c.peak_above_static, c.before, c.after)
             return c
 
-        monkeypatch.setattr(searcher_module, "cut_run", skewed)
+        monkeypatch.setattr(probing_module, "cut_run", skewed)
         t = s.terms(1)
         assert s.repeat is None
         assert len(t.blocks) == 8
@@ -234,7 +232,7 @@ def test_probes_shared_out_over_two_processes_give_the_same_terms(monkeypatch):
 @pytest.mark.skipif(sys.platform != "linux", reason="probes are shared out over forked processes on Linux only")
 def test_first_probes_recorded_alongside_the_ordering_step_are_the_later_ones(monkeypatch):
     """With two processes, a forked one records the first shortened probes while this one records the
-    ordering step (searcher._early_probes): they are kept, and each is the cut one process records."""
+    ordering step (probing.ProbeSteps._early_probes): they are kept, and each is the cut one process records."""
     cuts = {}
     for workers in ("2", "1"):
         monkeypatch.setenv(WORKERS_ENV, workers)
@@ -245,7 +243,7 @@ def test_first_probes_recorded_alongside_the_ordering_step_are_the_later_ones(mo
             s.terms(1), s.terms(4)
             cuts[workers] = (early, dict(s._short_cuts))
     early, later = cuts["2"]
-    assert len(early) == searcher_module.EARLY_PROBES  # kept: no checkpointing at 1 and 4, two more at 1
+    assert len(early) == probing_module.EARLY_PROBES  # kept: no checkpointing at 1 and 4, two more at 1
     assert {b for b, _ in early} == {1, 4}
     assert not cuts["1"][0]  # one process: nothing is recorded before the ordering step ends
     assert early.items() <= later.items()

@@ -1,0 +1,294 @@
+"""Probe steps of a search, and how they are shared out over the cores (docs/design.md §3, §4).
+
+`ProbeSteps` is the part of `Searcher` (searcher.py) that records probe steps on the shortened chain of
+identical blocks (repeats.py) and shares independent work out over forked processes (measure/forked.py):
+
+- the first probes, recorded by a forked process while the ordering step runs (`_early_probes`);
+- every probe of the batches the search asks for next, with the FLOP counts there, in one share-out
+  (`prefetch`, `_record_shorts`);
+- at the first batch the search settles on, the plan the fitted terms choose there, verified beside that
+  batch's probes, and the frontier solved beside them (`_likely_plan`);
+- the probes' cuts extended to full-depth terms (`_shortened_terms`).
+
+It reads and fills the searcher's state (its runner, chain, options and caches): a base class, not an
+object of its own. Whatever it records is the same to the byte on one core or many (tests/test_repeats.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import replace
+
+import torch
+
+from ckpt_tune.errors import UserCodeError
+from ckpt_tune.measure.forked import fork_map, resident_bytes, usable_workers
+from ckpt_tune.measure.runner import StepRunner
+from ckpt_tune.measure.sharded import ShardedRunner
+from ckpt_tune.tune.memory_model import (
+    RunCut,
+    Terms,
+    combine,
+    cut_run,
+    plan_entries,
+    policy_of,
+    probe_configs,
+    segments_of,
+)
+from ckpt_tune.tune.planner import solve
+from ckpt_tune.tune.repeats import Repeat, check_against, extend, extended_fixed, find_repeat, shortened
+
+# Shortened probes recorded alongside the ordering step (about as long as it, for a 7B's 32 blocks).
+EARLY_PROBES = 4
+
+
+class OptionFailed(Exception):
+    """The probe step of one finer option failed (ProbeSteps._option_probe)."""
+
+    def __init__(self, option: str) -> None:
+        super().__init__(option)
+        self.option = option
+
+
+class ProbeSteps:
+    """Probe steps on the shortened chain and their share-outs, for `Searcher` (see the module docstring)."""
+
+    def _early_repeat(self) -> Repeat | None:
+        """The run of identical blocks of the chain as the model declares it (find_blocks' order), when
+        the first shortened probes may be recorded alongside the ordering step: fake steps, a plain or
+        sharded runner, one batch per iteration, and room for a second process."""
+        plain = type(self.runner) is StepRunner or type(self.runner) is ShardedRunner
+        if not (plain and self.runner.fake and self._kind == 1 and usable_workers(2, resident_bytes()) >= 2):
+            return None
+        return find_repeat(self.runner.model, self.units)
+
+    def _early_probes(self, rep: Repeat, b1: int) -> tuple | None:
+        """In a forked process, while the ordering step is recorded: the probes of the shortened chain
+        that every search records first (no checkpointing at both small batches, two more at the
+        first), for the chain, run and options as the model declares them. `_keep_early` keeps them
+        where the ordering step finds the same. Nothing of this process survives it: a failure means
+        only that the probes are recorded later, as they would have been."""
+        if os.getpid() == self._pid:  # the forked process died and fork_map runs its item here: too late
+            return None
+        try:
+            self.repeat = rep
+            self._set_options(b1)
+            none = (0,) * len(rep.short_units)
+            others = [(b1, label, choice) for label, choice in self._short_configs().items() if any(choice)]
+            todo = [(b1, "none", none), (self.b2, "none", none), *others[:EARLY_PROBES - 2]]
+            cuts = [(b, choice, *self._record_short(b, choice, label, (j + 1, len(todo)))) for j, (b, label, choice) in enumerate(todo)]
+            return self.units, rep, self.options, cuts
+        except Exception:  # any failure: see the docstring
+            return None
+
+    def _keep_early(self, early: tuple | None) -> None:
+        """Keep the probes `_early_probes` recorded if the ordering step found the chain, the run of
+        identical blocks and the options they were recorded with."""
+        if early is None or early[:3] != (self.units, self.repeat, self.options):
+            return
+        for b, choice, cut, seconds in sorted(early[3], key=lambda c: any(c[1])):  # the no-checkpointing probes first
+            self._keep_short((b, choice), cut, seconds)
+
+    @contextlib.contextmanager
+    def _probe_step(self, what: str, j: int, n: int, kind: str, workers: int = 1):
+        """One probe step, j of n at its batch, timed: yields a list that holds its seconds when it
+        completes (`_timed` adds them to this kind's). Its progress line gives the time the remaining
+        probes should take, as long each as the probes of this kind (shortened or full depth) this
+        process recorded so far, `workers` at a time. In a forked process (measure/forked.py) the step
+        is silent."""
+        done = self._eta_s.setdefault(kind, [])
+        left = f", about {sum(done) / len(done) * -(-(n - j + 1) // workers):.0f} s left for these probes" if done else ""
+        on = f" ({workers} processes)" if workers > 1 else ""
+        self._say(f"{what}: step {j} of {n}{on}{left}")
+        seconds: list[float] = []
+        t0 = time.perf_counter()
+        yield seconds
+        seconds.append(time.perf_counter() - t0)
+        done.append(seconds[0])
+
+    def _say(self, msg: str) -> None:
+        """A progress line, from this process only: a forked one (measure/forked.py) is silent."""
+        if os.getpid() == self._pid:
+            self.progress(msg)
+
+    def _timed(self, kind: str, seconds: float) -> None:
+        """A probe step of this kind recorded (here or in a forked process) in `seconds`."""
+        self.runs += 1
+        self._probe_s.setdefault(kind, []).append(seconds)
+
+    def _workers(self, items: int) -> int:
+        """Processes to share `items` independent probe steps or solves out over (measure/forked.py):
+        one, unless the steps are fake (order_units decides)."""
+        return usable_workers(items, resident_bytes()) if self._forks and items else 1
+
+    @contextlib.contextmanager
+    def _option_probe(self, label: str):
+        """The probe step of a policy option: a failure of the step (torch refuses the policy on this
+        model, e.g. an in-place op on a kept output) drops the option instead of ending the search."""
+        option = self.options[int(label.removeprefix("option"))] if label.startswith("option") else None
+        try:
+            yield
+        except (RuntimeError, UserCodeError) as e:
+            if option is None or policy_of(option) is None or isinstance(e, torch.OutOfMemoryError):
+                raise
+            raise OptionFailed(option) from e
+
+    def _shortened_cut(self, batch_size: int, choice: tuple[int, ...], label: str = "none", step: tuple[int, int] = (1, 1)) -> RunCut:
+        """One probe on the shortened chain (repeats.py), cached; `step`: its place among this batch's probes."""
+        self._record_shorts([(batch_size, label, choice, step)])
+        return self._short_cuts[(batch_size, choice)]
+
+    def _record_short(self, batch_size: int, choice: tuple[int, ...], label: str, step: tuple[int, int], workers: int = 1) -> tuple[RunCut, float]:
+        """(cut, seconds) of one probe on the shortened chain. It changes nothing of the searcher's, so
+        a forked process can run it (measure/forked.py). After backward every configuration holds the
+        same tensors (the gradients, the batch, the loss): only the no-checkpointing probe records the
+        optimizer step, and `_keep_short` gives the others its moments (docs/design.md §4)."""
+        rep = self.repeat
+        short = rep.short_units
+        what = f"probing batch {batch_size} on {len(short)} of {len(self.units)} blocks (identical blocks), {label} checkpointed"
+        with self._probe_step(what, *step, "short", workers) as seconds, shortened(self.runner.model, rep), self._option_probe(label):
+            names = plan_entries(short, self.options, choice)
+            m = self.runner.measure(batch_size, checkpoint=names, units=short, optimizer_step=not any(choice))
+        tl = m.timeline
+        return cut_run(tl.live_at, tl.max_between, tl.markers, short, choice), seconds[0]
+
+    def _keep_short(self, key: tuple[int, tuple[int, ...]], cut: RunCut, seconds: float) -> None:
+        """Keep a shortened probe's cut; one without its optimizer step takes the step's moments from
+        the no-checkpointing probe at its batch (kept first)."""
+        self._timed("short", seconds)
+        if any(key[1]):
+            after = self._short_cuts[(key[0], (0,) * len(key[1]))].after
+            cut = replace(cut, after=after, fixed=max(cut.before, after), peak_above_static=max(cut.peak_above_static, after))
+        self._short_cuts[key] = cut
+
+    def _short_configs(self) -> dict[str, tuple[int, ...]]:
+        """The probe configurations of the shortened chain (memory_model.probe_configs)."""
+        rep = self.repeat
+        return probe_configs(len(rep.short_units), len(self.options), lambda s, opt: self._has(rep.full_index(s), opt))
+
+    def _shortened_cuts(self, batch_size: int, configs: dict[str, tuple[int, ...]]) -> list[RunCut]:
+        """Every probe of `configs` on the shortened chain at this batch, each as it would be recorded alone."""
+        n = len(configs)
+        self._record_shorts([(batch_size, label, choice, (j + 1, n)) for j, (label, choice) in enumerate(configs.items())])
+        return [self._short_cuts[(batch_size, choice)] for choice in configs.values()]
+
+    def _record_shorts(self, probes: list, timing: tuple[int, ...] = (), plan: tuple | None = None, budget: int | None = None) -> None:
+        """Record the shortened probes (batch, label, choice, (j, n)) not yet recorded, count FLOPs at
+        the `timing` batches not yet timed, and verify `plan` (batch, names, choice) at full depth, all
+        shared out over the cores in one go (measure/forked.py): none depends on another. A
+        configuration's no-checkpointing probe at its batch is recorded with it (`_keep_short` needs its
+        moments)."""
+        none = (0,) * len(self.repeat.short_units)
+        todo = {(b, choice): (b, label, choice, step) for b, label, choice, step in probes}
+        for b, _label, _choice, step in list(todo.values()):
+            todo.setdefault((b, none), (b, "none", none, (1, step[1])))
+        todo = {k: v for k, v in todo.items() if k not in self._short_cuts}
+        items = [("short", v) for k, v in sorted(todo.items(), key=lambda kv: any(kv[0][1]))]
+        # with a plan to verify, the frontier around its batch is solved after the FLOP count there (the
+        # search's answer is most often that batch); on the small batches' terms, probed before
+        rows = None
+        if plan is not None and budget is not None and {self.b1, self.b2} <= set(self._terms):
+            rows = (budget, plan[0], self.frontier_sizes(plan[0]), frozenset(self._terms))
+        items += [("frontier" if rows and b == plan[0] else "time", b) for b in dict.fromkeys(timing) if b not in self._costs]
+        items += [("verify", plan)] if plan is not None and (plan[0], plan[2]) not in self._speculated else []
+        if not items:
+            return
+        workers = self._workers(len(items))
+        # expected seconds, in probes: the optimizer step and a FLOP count are longer, a verification is
+        # a step at full depth with its recompute
+        depth = len(self.units) / len(self.repeat.short_units)
+        costs = [{"time": 1.5, "frontier": 2.5, "verify": 1.2 * depth}.get(k) or 1.0 + 0.2 * (not any(w[2])) for k, w in items]
+
+        def run(item):
+            kind, what = item
+            t0 = time.perf_counter()
+            if kind == "time":
+                return self._time(what), time.perf_counter() - t0
+            if kind == "frontier":
+                timed = self._time(what)
+                budget_, b, sizes, _ = rows
+                frontier = [self._row(x, budget_, self.b1, self.b2, timed[0], timed[1]) for x in sizes]
+                return timed, frontier, time.perf_counter() - t0
+            if kind == "verify":
+                b, names, _choice = what
+                self._say(f"verifying batch {b} with {len(names)} checkpoints, while the probes at that batch run")
+                return self._measure_plan(b, names).peak_bytes, time.perf_counter() - t0
+            b, label, choice, _step = what
+            # numbered among this share-out's items: the progress line's time left is the share-out's
+            return self._record_short(b, choice, label, (items.index(item) + 1, len(items)), workers)
+
+        got = dict(zip(items, fork_map(run, items, workers, costs), strict=True))
+        for (kind, what), res in sorted(got.items(), key=lambda kv: kv[0][0] != "short" or any(kv[0][1][2])):
+            if kind == "time":
+                self._costs[what] = res[0]
+            elif kind == "frontier":
+                self._costs[what] = res[0]
+                budget_, b, sizes, known = rows
+                self._frontiers[(self._kind, budget_, tuple(sizes), self.b1, self.b2, b)] = (res[1], self._version, known)
+            elif kind == "verify":
+                self.runs += 1
+                self._speculated[(what[0], what[2])] = res[0]
+            else:
+                self._keep_short((what[0], what[2]), *res)
+
+    def prefetch(self, batches: tuple[int, ...], timing: tuple[int, ...] = (), budget: int | None = None) -> None:
+        """Under fake tensors with a shortened chain, record every probe of these batches (and count FLOPs
+        at `timing`) in one share-out, before the search asks for them one batch at a time. A probe that
+        fails here (an op policy torch refuses) is left to `terms`, which drops its option.
+
+        With a `budget`, one batch not probed before and more than one process, the plan solved at that
+        batch on terms fitted from the two small batches is verified in the same share-out (and the
+        frontier around it solved): where the probed terms then give
+        the same plan, the search takes that verification (`search`); the plan is still the one the
+        probed terms choose, measured at full depth."""
+        if self.repeat is None or not self._forks or self._kind != 1:
+            return
+        configs = self._short_configs()
+        n = len(configs)
+        probes = [(b, label, choice, (j + 1, n)) for b in batches for j, (label, choice) in enumerate(configs.items())]
+        # in one process a verification beside the probes only runs sooner, or in vain where the plan differs
+        alongside = budget is not None and len(batches) == 1 and self._workers(2) > 1
+        plan = self._likely_plan(batches[0], budget) if alongside else None
+        with self._stage("probe" if plan is None else "probe+verify"), contextlib.suppress(OptionFailed):
+            self._record_shorts(probes, timing, plan, budget)
+
+    def _likely_plan(self, b: int, budget: int) -> tuple | None:
+        """(b, names, choice) of the plan the fitted terms choose at b, when its verification can be
+        shared out with the probes there: b not yet probed, an iteration of one batch, a measured step
+        (not divided by arithmetic), and no segment (whose terms a verification would teach)."""
+        if b in self._terms or b in (self.b1, self.b2) or self.accum_steps != 1 or self.sharding == "arithmetic":
+            return None
+        t = self.fitted(b, self.b1, self.b2)
+        sol = solve(t, self.costs(self.b1), budget)
+        if sol is None or segments_of(sol.choice):
+            return None
+        return b, tuple(sol.names(t)), sol.choice
+
+    def _shortened_terms(self, batch_size: int) -> Terms | None:
+        """Full-depth terms extended from probes on the shortened chain (repeats.extend); None when a
+        probe ran out of device memory (the full-depth path decides what then)."""
+        rep = self.repeat
+        short = rep.short_units
+        configs = self._short_configs()
+        order_b, order_cut, static = self._order_cut
+        try:
+            cuts = self._shortened_cuts(batch_size, configs)
+            # what the removed blocks add after backward (their gradients, the optimizer step's
+            # temporaries) and to the first block's backward (their gradients): from the full-depth step
+            none = self._shortened_cut(order_b, (0,) * len(short))
+        except torch.OutOfMemoryError:
+            cuts = None
+        if cuts is None:
+            torch.cuda.empty_cache()
+            return None
+        delta, grads = order_cut.after - none.after, order_cut.B[0] - none.B[0]
+        last = len(self.units) - 1
+        f_shift = order_cut.F[last] - none.F[rep.source(last)]
+        terms = combine(cuts, short, static, batch_size, self.options)
+        measured = {(0,) * len(self.units): static + order_cut.peak_above_static} if batch_size == order_b else {}
+        terms = extend(terms, rep, static, extended_fixed(cuts, delta), grads, f_shift, measured)
+        if batch_size == order_b:
+            check_against(terms, order_cut)  # the full-depth step checks what it can
+        return terms
