@@ -42,8 +42,12 @@ atexit.register(lambda: print("BENCH_RSS_KIB", resource.getrusage(resource.RUSAG
                               resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr))
 sys.argv = ["ckpt-tune", "search", *{args!r}, "--json"]
 if {full_depth!r}:  # every probe at full depth: no run of identical blocks is shortened
-    import ckpt_tune.tune.searcher
-    ckpt_tune.tune.searcher.find_repeat = lambda model, units: None
+    import importlib
+    for name in ("ckpt_tune.tune.searcher", "ckpt_tune.tune.probing"):  # an earlier checkout has no probing
+        try:
+            importlib.import_module(name).find_repeat = lambda model, units: None
+        except ModuleNotFoundError:
+            pass
 from ckpt_tune.cli import main
 main()
 """
