@@ -128,6 +128,30 @@ def test_a_policy_as_dear_as_the_whole_block_is_left_out(monkeypatch) -> None:
     assert min(s.costs(B)[0][1:]) > 0
 
 
+def test_under_fake_tensors_a_policy_as_dear_as_the_whole_block_on_its_roofline_is_left_out(monkeypatch) -> None:
+    """No device to time under fake tensors: the roofline share of the block's forward that a policy
+    recomputes is its price, and the same rule leaves out one at nine tenths of the block or more."""
+    import ckpt_tune.tune.searcher as searcher_module
+    from ckpt_tune.measure import fake_inputs, loader
+
+    def shares(runner, batch_size, units, policies, repeats=3):
+        return {(u, p): {"matmuls": 0.95, "half-matmuls": 0.7}.get(p, 1.0) for u in units for p in policies}
+
+    def timed(*a, **k):
+        raise AssertionError("no policy is timed under fake tensors")
+
+    monkeypatch.setattr(searcher_module, "recompute_shares", shares)
+    monkeypatch.setattr(searcher_module, "policy_ratios", timed)
+    target = loader.Target("vit", __name__, None, "build", FX.build, FX.make_batch, FX.loss_fn, "make_batch", "loss_fn")
+    model, batch_fn = fake_inputs.build_fake_model(target), fake_inputs.fake_batch_fn(target)
+    with StepRunner(model, batch_fn, FX.loss_fn, StepSettings(device="meta")) as runner:
+        s = Searcher(runner)
+        s.order_units(2)
+    assert [policy_of(o) for o in s.options if policy_of(o)] == ["half-matmuls"]
+    assert any("matmuls left out: its recompute costs 0.95x checkpointing the whole block on a roofline" in n for n in s.notes), s.notes
+    assert any("left out: attention" in n for n in s.notes), s.notes  # a share of 1.0: it keeps nothing
+
+
 @pytest.mark.parametrize("bad", ["blocks,opz", ""])
 def test_unknown_candidate_kinds_are_refused_with_a_hint(bad) -> None:
     from ckpt_tune.errors import CkptTuneError
