@@ -92,3 +92,35 @@ def test_costs_share_the_items_out_evenly_and_results_stay_in_item_order():
     assert forked.shares_of(7, 2, costs) == [[0, 6], [1, 2, 3, 4, 5]]  # the long item, then the least loaded
     got = fork_map(_where, list(range(7)), 2, costs)
     assert got == [(k, k in (0, 6)) for k in range(7)]
+
+
+def test_a_runner_freezes_what_lives_when_it_starts_and_fork_map_leaves_it_frozen():
+    """The collection before each recorded step scans only what the steps make (runner.StepRunner):
+    what is alive when a runner starts stays frozen until it ends, a share-out does not thaw it, and a
+    freeze its caller made is the caller's to undo."""
+    import gc
+
+    import torch
+
+    from ckpt_tune.measure.runner import StepRunner, StepSettings
+
+    def runner() -> StepRunner:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        return StepRunner(model, lambda n: torch.randn(n, 8), lambda m, x: m(x).square().mean(), StepSettings(device="cpu"))
+
+    gc.unfreeze()  # a runner an earlier test entered and left open froze objects: only the collector's work
+    with runner() as r:
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        assert fork_map(_where, [1, 2], 2) == [(1, True), (2, False)]
+        assert gc.get_freeze_count() >= frozen
+        assert r.measure(4).peak_bytes > 0
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        mine = gc.get_freeze_count()
+        with runner():
+            pass
+        assert gc.get_freeze_count() >= mine
+    finally:
+        gc.unfreeze()
