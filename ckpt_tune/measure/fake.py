@@ -7,14 +7,10 @@ mode) sees the result of every op and counts each storage it has not seen before
 its `nbytes`; a weakref on that storage counts its death as the free. The result is the same
 `timeline.Timeline` the CPU `Recorder` gives, on a logical clock: one tick per event or marker.
 
-What no op returns, fake mode cannot see: memory a kernel allocates and frees inside itself. On the
-CPU, oneDNN reorders convolution inputs and weights into blocked layouts, BatchNorm's backward keeps an
-input-sized temporary, and a oneDNN LSTM layer returns a workspace whose size only oneDNN knows (fake
-mode makes it empty). For these ops (`CPU_SCRATCH_OPS`) the CPU recorder runs the real kernel once per
-distinct shape on zero-filled tensors, under the profiler, and replays what it allocated (scratch.py). On CUDA the
-caching allocator rounds each block up to 512 B, which `FakeRecorder(device="cuda")` applies; cuDNN
-workspaces are not modelled there, and the calls that would take one are counted in
-`FakeRecorder.unmodelled` (`CUDA_WORKSPACE_OPS`). The cuBLAS workspace is one block per handle and
+What no op returns, fake mode cannot see: memory a kernel allocates and frees inside itself. The CPU
+recorder replays what scratch.py measured of it (`CPU_SCRATCH_OPS`); on CUDA the calls that would take
+a cuDNN workspace are counted in `FakeRecorder.unmodelled` (`CUDA_WORKSPACE_OPS`), and the caching
+allocator's rounding of each block up to 512 B is applied (`FakeRecorder(device="cuda")`). The cuBLAS workspace is one block per handle and
 stream, allocated at the first matmul and kept: a constant for the caller to add, not an event here.
 
 A storage is named by `fake_storage_key(t)`: the StorageImpl's address for a fake tensor (whose

@@ -55,12 +55,17 @@ class OptionFailed(Exception):
 class ProbeSteps:
     """Probe steps on the shortened chain and their share-outs, for `Searcher` (see the module docstring)."""
 
+    @property
+    def _plain(self) -> bool:
+        """A plain or sharded runner, the only ones whose steps may be shortened or forked: HostGuard
+        (measure/host.py) bounds later steps by the ones it ran, which a shortened step would fool."""
+        return type(self.runner) in (StepRunner, ShardedRunner)
+
     def _early_repeat(self) -> Repeat | None:
         """The run of identical blocks of the chain as the model declares it (find_blocks' order), when
         the first shortened probes may be recorded alongside the ordering step: fake steps, a plain or
         sharded runner, one batch per iteration, and room for a second process."""
-        plain = type(self.runner) is StepRunner or type(self.runner) is ShardedRunner
-        if not (plain and self.runner.fake and self._kind == 1 and usable_workers(2, resident_bytes()) >= 2):
+        if not (self._plain and self.runner.fake and self._kind == 1 and usable_workers(2, resident_bytes()) >= 2):
             return None
         return find_repeat(self.runner.model, self.units)
 
@@ -279,8 +284,6 @@ class ProbeSteps:
             # temporaries) and to the first block's backward (their gradients): from the full-depth step
             none = self._shortened_cut(order_b, (0,) * len(short))
         except torch.OutOfMemoryError:
-            cuts = None
-        if cuts is None:
             torch.cuda.empty_cache()
             return None
         delta, grads = order_cut.after - none.after, order_cut.B[0] - none.B[0]

@@ -25,7 +25,6 @@ from ckpt_tune.errors import NoFitError, UserCodeError
 from ckpt_tune.measure.forked import fork_map
 from ckpt_tune.measure.op_costs import policy_ratios, recompute_shares
 from ckpt_tune.measure.runner import Measurement, StepRunner, Timing, unique_bytes
-from ckpt_tune.measure.sharded import ShardedRunner
 from ckpt_tune.plan.entry import POLICIES, Entry, member_names, to_data
 from ckpt_tune.plan.file import FULLY_SHARDED
 from ckpt_tune.plan.segment import available as segment_available
@@ -235,12 +234,9 @@ class Searcher(ProbeSteps):
         self.spans = group_spans(self.units, {g: v for g, v in self.groups.items() if g not in self.units})
         if "blocks" not in self.candidates:  # groups are whole modules checkpointed: the "blocks" kind
             self.spans = {}
-        # a plain or sharded runner only: HostGuard bounds later steps by the ones it ran, which a shortened
-        # step would fool
-        plain = type(self.runner) is StepRunner or type(self.runner) is ShardedRunner
-        self.repeat = find_repeat(self.runner.model, self.units) if plain else None
+        self.repeat = find_repeat(self.runner.model, self.units) if self._plain else None
         # fake steps allocate nothing and compete for no RAM: independent probes may run side by side
-        self._forks = plain and self.runner.fake
+        self._forks = self._plain and self.runner.fake
         self._set_options(batch_size)
         keys: set[tuple[int, int]] = set(self.spans)
         if self.use_segments:
