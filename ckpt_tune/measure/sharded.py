@@ -455,8 +455,8 @@ def fake_fsdp_recording() -> Iterator[None]:
     def key(t: torch.Tensor) -> int:
         return orig_key(local_tensor(t))
 
-    def see(self, t, args, kwargs, size):
-        return orig_see(self, local_tensor(t), args, kwargs, size)
+    def see(self, t, inputs, size):
+        return orig_see(self, local_tensor(t), inputs, size)
 
     def resize_(st, size):
         out = orig_resize(st, size)
