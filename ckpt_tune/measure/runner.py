@@ -200,11 +200,14 @@ class StepRunner:
         for p in self.model.parameters():
             p.grad = None
 
-    def iteration(self, batch_size: int, accum_steps: int = 1, optimizer_step: bool = True) -> None:
+    def iteration(
+        self, batch_size: int, accum_steps: int = 1, optimizer_step: bool = True, after_forward: Callable[[], None] | None = None
+    ) -> None:
         """One training iteration, with phase markers (harmless when nothing records). With
         `accum_steps` > 1: that many micro-batches (loss / steps, gradients summed by autograd) before
         the one optimizer step; from the second on, every gradient is live through forward and backward.
-        `optimizer_step=False`: forward and backward only (the "step" marker still closes the iteration)."""
+        `optimizer_step=False`: forward and backward only (the "step" marker still closes the iteration).
+        `after_forward`: called once each micro-batch's loss exists, before its backward."""
         torch.manual_seed(SEED)  # same dropout masks every time: memory is deterministic
         self._zero_grad()
         mark("iter")
@@ -221,6 +224,8 @@ class StepRunner:
                 if accum_steps > 1:
                     loss = loss / accum_steps
             mark("loss")
+            if after_forward is not None:
+                after_forward()
             try:
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             except RuntimeError as e:
@@ -408,15 +413,12 @@ class StepRunner:
                     out[key[len(root) + 1 :] if key != root else ""] = sum(ops.values()) / 1e9
             return out
 
-        with self._ctx():
-            with FlopCounterMode(display=False) as fwd:
-                batch = self.batch_fn(batch_size)
-                with self._autocast():
-                    self.loss_fn(self.model, batch)
-            with FlopCounterMode(display=False) as step:
-                self.iteration(batch_size)
+        forward: dict = {}
+        # one iteration: the forward's counts are read when its loss exists, the whole step's at the end
+        with self._ctx(), FlopCounterMode(display=False) as step:
+            self.iteration(batch_size, after_forward=lambda: forward.update(per_module(step)))
         total = sum(sum(ops.values()) for key, ops in step.get_flop_counts().items() if key == "Global") / 1e9
-        return per_module(fwd), {**per_module(step), None: total}
+        return forward, {**per_module(step), None: total}
 
 
 @dataclass(frozen=True)
