@@ -1,11 +1,12 @@
-"""fork_map (ckpt_tune/measure/forked.py): items shared out over forked processes come back in order,
-a failure raises as a loop's would, a child that dies has its items run here, and the number of
+"""fork_map (ckpt_tune/measure/forked.py): items taken from a queue by forked processes come back in
+order, a failure raises as a loop's would, a child that dies has its items run here, and the number of
 processes follows the cores, the items, the RAM and CKPT_TUNE_WORKERS."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 
@@ -39,10 +40,23 @@ def _fails_at(bad):
     return fn
 
 
+def _slow_pid(x):
+    time.sleep(0.2)  # long enough for every process to take items from the queue
+    return x, os.getpid()
+
+
 def test_results_come_back_in_item_order_from_every_process():
-    got = fork_map(_where, list(range(7)), 3)
+    got = fork_map(_slow_pid, list(range(7)), 3)
     assert [x for x, _ in got] == list(range(7))
-    assert [mine for _, mine in got] == [k % 3 == 0 for k in range(7)]  # item k ran in process k % 3
+    pids = {pid for _, pid in got}
+    assert PARENT in pids
+    assert len(pids) > 1
+
+
+def test_items_kept_here_run_in_this_process_first():
+    got = fork_map(_slow_pid, list(range(4)), 2, here=[2])
+    assert got[2] == (2, PARENT)
+    assert [x for x, _ in got] == list(range(4))
 
 
 def test_one_worker_is_a_plain_loop_in_this_process():
@@ -58,8 +72,9 @@ def test_the_first_failure_in_item_order_raises_with_its_cause(bad):
 
 def test_the_items_of_a_child_that_dies_run_in_this_process():
     def dies_in_a_child(x):
-        if x == 1 and os.getpid() != PARENT:
+        if os.getpid() != PARENT:
             os._exit(3)
+        time.sleep(0.1)  # the child takes an item before this process takes them all
         return _where(x)
 
     assert fork_map(dies_in_a_child, [0, 1, 2, 3], 2) == [(0, True), (1, True), (2, True), (3, True)]
@@ -87,11 +102,12 @@ def test_workers_follow_the_items_the_ram_and_the_environment(monkeypatch):
         usable_workers(64, 1 << 20)
 
 
-def test_costs_share_the_items_out_evenly_and_results_stay_in_item_order():
-    costs = [5.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
-    assert forked.shares_of(7, 2, costs) == [[0, 6], [1, 2, 3, 4, 5]]  # the long item, then the least loaded
-    got = fork_map(_where, list(range(7)), 2, costs)
-    assert got == [(k, k in (0, 6)) for k in range(7)]
+def test_costs_put_the_longest_items_first_in_the_queue_and_results_stay_in_item_order():
+    costs = [1.0, 1.0, 5.0, 1.0, 2.0, 1.0, 1.0]
+    assert forked.queue_order(7, costs) == [2, 4, 0, 1, 3, 5, 6]
+    assert forked.queue_order(3) == [0, 1, 2]
+    got = fork_map(_slow_pid, list(range(7)), 2, costs)
+    assert [x for x, _ in got] == list(range(7))
 
 
 def test_a_runner_freezes_what_lives_when_it_starts_and_fork_map_leaves_it_frozen():
@@ -112,7 +128,7 @@ def test_a_runner_freezes_what_lives_when_it_starts_and_fork_map_leaves_it_froze
     with runner() as r:
         frozen = gc.get_freeze_count()
         assert frozen > 0
-        assert fork_map(_where, [1, 2], 2) == [(1, True), (2, False)]
+        assert [x for x, _ in fork_map(_where, [1, 2], 2)] == [1, 2]
         assert gc.get_freeze_count() >= frozen
         assert r.measure(4).peak_bytes > 0
     assert gc.get_freeze_count() == 0

@@ -243,8 +243,11 @@ def test_first_probes_recorded_alongside_the_ordering_step_are_the_later_ones(mo
             s.terms(1), s.terms(4)
             cuts[workers] = (early, dict(s._short_cuts))
     early, later = cuts["2"]
-    assert len(early) == probing_module.EARLY_PROBES  # kept: no checkpointing at 1 and 4, two more at 1
-    assert {b for b, _ in early} == {1, 4}
+    # kept: no checkpointing at 1 and 4 at least, then others until the ordering step ended
+    assert len(early) >= probing_module.EARLY_PROBES
+    none = (0,) * len(s.repeat.short_units)
+    assert (1, none) in early
+    assert (4, none) in early
     assert not cuts["1"][0]  # one process: nothing is recorded before the ordering step ends
     assert early.items() <= later.items()
     assert later == cuts["1"][1]

@@ -1,16 +1,16 @@
 """Fake-tensor steps on more than one core: independent probe steps in forked copies of this process.
 
 Under fake tensors (`--device meta`) a recorded step is pure Python on one core, and the probe steps a
-search records at one batch do not depend on each other. `fork_map` shares them out: this process takes
-every `workers`-th item and forked children the others. A child starts as a copy-on-write copy of this
+search records at one batch do not depend on each other. `fork_map` shares them out: this process and
+forked children each take the next item from a queue whenever they are free. A child starts as a copy-on-write copy of this
 process, so it holds the model, the optimizer state and the fake process group exactly as they are
 here; it sends back only what the function returns (a probe's cut: a few numbers per block), pickled
 through a pipe, and exits. Results come back in item order, so a search gets the same terms, to the
 byte, on one core or on many (docs/design.md §3).
 
 Only fake steps are shared out: a real step's allocations and timings would compete with the others'
-for the host's RAM and cores. A child that dies (killed, crashed) costs nothing but time: its items
-are run here after all. `usable_workers` counts one process per core this one may run on, no more
+for the host's RAM and cores. A child that dies (killed, crashed) costs nothing but time: the items it
+took are run here after all. `usable_workers` counts one process per core this one may run on, no more
 than the items and than the RAM available holds copies of this process; `CKPT_TUNE_WORKERS=N` sets N
 (1: everything in this process). Fork is used on Linux only.
 """
@@ -23,7 +23,7 @@ import os
 import pickle
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from ckpt_tune.errors import CkptTuneError
@@ -83,25 +83,43 @@ def _portable(exc: BaseException) -> tuple[BaseException, BaseException | None]:
     return one(exc), one(exc.__cause__)
 
 
-def _run_share(fn, items, share, results) -> None:
-    """Items `share` of `items` in this process, into `results` (index -> ("ok", value) or ("error",
-    (exception, cause))); it stops at the first failure, as a loop would."""
-    for k in share:
+# A pipe holds 64 KiB unread (Linux's default): the queue of item numbers is written whole before the fork
+_QUEUE_MAX = 65536 // 4
+
+
+def _take(queue: int) -> int | None:
+    """The next item number of the queue (a pipe every process reads), or None once it is empty. Every
+    number was written before any process read one, in 4 bytes: a read of 4 takes one, whole."""
+    data = os.read(queue, 4)
+    return int.from_bytes(data, "little") if len(data) == 4 else None
+
+
+def _run(fn, items, ks, results) -> bool:
+    """Items ks, one at a time, into `results` (index -> ("ok", value) or ("error", (exception,
+    cause))); False at the first failure, where a process stops, as a loop would."""
+    for k in ks:
         try:
             results[k] = ("ok", fn(items[k]))
         except Exception as e:
             results[k] = ("error", (e, e.__cause__))
-            break
+            return False
+    return True
 
 
-def _child(fn: Callable[[T], R], items: Sequence[T], share: Sequence[int], write_fd: int) -> None:
-    """A forked child's whole life: run its share, send the results (exceptions made portable), exit."""
+def _queued(queue: int) -> Iterator[int]:
+    while (k := _take(queue)) is not None:
+        yield k
+
+
+def _child(fn: Callable[[T], R], items: Sequence[T], queue: int, write_fd: int) -> None:
+    """A forked child's whole life: run items from the queue, send the results (exceptions made
+    portable), exit."""
     code = 0
     try:
         # nothing of the parent's output (a spinner's thread may hold its lock): a child is silent
         sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the process ends below
         results: dict[int, tuple[str, Any]] = {}
-        _run_share(fn, items, share, results)
+        _run(fn, items, _queued(queue), results)
         for k, (kind, value) in results.items():
             if kind == "error":
                 results[k] = (kind, _portable(value[0]))
@@ -113,32 +131,35 @@ def _child(fn: Callable[[T], R], items: Sequence[T], share: Sequence[int], write
         os._exit(code)
 
 
-def shares_of(n: int, workers: int, costs: Sequence[float] | None = None) -> list[list[int]]:
-    """Item indices per process (this one first): k % workers, or, given each item's expected cost,
-    the longest first to the least loaded process; each share in item order."""
-    if costs is None:
-        return [list(range(w, n, workers)) for w in range(workers)]
-    loads, shares = [0.0] * workers, [[] for _ in range(workers)]
-    for k in sorted(range(n), key=lambda k: -costs[k]):
-        w = min(range(workers), key=loads.__getitem__)
-        shares[w].append(k)
-        loads[w] += costs[k]
-    return [sorted(s) for s in shares]
+def queue_order(n: int, costs: Sequence[float] | None = None) -> list[int]:
+    """The order items are taken in: item order, or, given each item's expected cost, the longest
+    first (ties in item order), so that the last items taken are short ones and no process waits long
+    for another."""
+    return list(range(n)) if costs is None else sorted(range(n), key=lambda k: -costs[k])
 
 
-def fork_map(fn: Callable[[T], R], items: Sequence[T], workers: int, costs: Sequence[float] | None = None) -> list[R]:
-    """[fn(x) for x in items], items[k] run by process k % workers (this process is 0), or, given
-    `costs` (each item's expected time, any unit), in shares of about equal cost (`shares_of`).
+def fork_map(
+    fn: Callable[[T], R], items: Sequence[T], workers: int, costs: Sequence[float] | None = None, here: Sequence[int] = ()
+) -> list[R]:
+    """[fn(x) for x in items], in `workers` processes (this one and forked children): each takes the
+    next item from a shared queue whenever it is free, in `queue_order` (given `costs`, each item's
+    expected time in any unit: the longest first). The items numbered in `here` are not queued: this
+    process runs them first.
 
     The first item that raises, in item order, raises here, as it would in a loop (items after it may
-    have run). `fn` must leave this process as it found it apart from what it returns: a child's side
-    effects are lost with it."""
+    have run). An item that no process ran (its child died, or every process stopped at a failure
+    first) is run here, in item order. `fn` must leave this process as it found it apart from what it
+    returns: a child's side effects are lost with it."""
     items = list(items)
     workers = max(1, min(workers, len(items)))
-    if workers == 1:
+    if workers == 1 or len(items) > _QUEUE_MAX:
         return [fn(x) for x in items]
-    shares = shares_of(len(items), workers, costs)
-    children: list[tuple[int, int, list[int]]] = []  # (pid, read fd, item indices)
+    queue, w = os.pipe()
+    try:
+        os.write(w, b"".join(k.to_bytes(4, "little") for k in queue_order(len(items), costs) if k not in here))
+    finally:
+        os.close(w)  # read to its end, the queue reads as empty
+    children: list[tuple[int, int]] = []  # (pid, read fd)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
@@ -148,7 +169,7 @@ def fork_map(fn: Callable[[T], R], items: Sequence[T], workers: int, costs: Sequ
     frozen = gc.get_freeze_count() > 0
     gc.freeze()
     try:
-        for share in shares[1:]:
+        for _ in range(workers - 1):
             r, w = os.pipe()
             with warnings.catch_warnings():
                 # Python 3.12+ warns of fork in a process with threads (a progress spinner's): the
@@ -157,17 +178,18 @@ def fork_map(fn: Callable[[T], R], items: Sequence[T], workers: int, costs: Sequ
                 pid = os.fork()
             if pid == 0:  # pragma: no cover - the child's coverage is not collected
                 os.close(r)
-                _child(fn, items, share, w)
+                _child(fn, items, queue, w)
             os.close(w)
-            children.append((pid, r, share))
+            children.append((pid, r))
     finally:
         if not frozen:
             gc.unfreeze()
     results: dict[int, tuple[str, Any]] = {}
-    unread, unreaped = {r for _p, r, _s in children}, {p for p, _r, _s in children}
+    unread, unreaped = {r for _p, r in children}, {p for p, _r in children}
     try:
-        _run_share(fn, items, shares[0], results)
-        for pid, r, share in children:
+        if _run(fn, items, here, results):
+            _run(fn, items, _queued(queue), results)
+        for pid, r in children:
             try:
                 with os.fdopen(r, "rb") as f:
                     data = f.read()
@@ -177,9 +199,8 @@ def fork_map(fn: Callable[[T], R], items: Sequence[T], workers: int, costs: Sequ
             unreaped.discard(pid)
             if data and status == 0:
                 results.update(pickle.loads(data))
-            else:  # the child died: its items are run here
-                _run_share(fn, items, share, results)
     finally:  # interrupted: no child outlives the call
+        os.close(queue)
         for r in unread:
             with contextlib.suppress(OSError):
                 os.close(r)
@@ -189,13 +210,14 @@ def fork_map(fn: Callable[[T], R], items: Sequence[T], workers: int, costs: Sequ
                 os.waitpid(pid, 0)
     out: list[R] = []
     for k in range(len(items)):
-        kind, value = results.get(k, ("missing", None))
+        if k not in results:  # taken by a child that died, or left by processes that failed first
+            out.append(fn(items[k]))
+            continue
+        kind, value = results[k]
         if kind == "error":
             exc, cause = value
             if cause is not None and exc.__cause__ is None:
                 exc.__cause__ = cause
             raise exc
-        if kind == "missing":  # a share stops only after a failure, which comes earlier in item order
-            raise RuntimeError(f"fork_map: item {k} was not run")
         out.append(value)
     return out

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import time
 from dataclasses import replace
 
@@ -40,8 +41,8 @@ from ckpt_tune.tune.memory_model import (
 from ckpt_tune.tune.planner import solve
 from ckpt_tune.tune.repeats import Repeat, check_against, extend, extended_fixed, find_repeat, shortened
 
-# Shortened probes recorded alongside the ordering step (about as long as it, for a 7B's 32 blocks).
-EARLY_PROBES = 4
+# Shortened probes recorded alongside the ordering step whatever its length; more while it runs.
+EARLY_PROBES = 2
 
 
 class OptionFailed(Exception):
@@ -69,21 +70,26 @@ class ProbeSteps:
             return None
         return find_repeat(self.runner.model, self.units)
 
-    def _early_probes(self, rep: Repeat, b1: int) -> tuple | None:
+    def _early_probes(self, rep: Repeat, b1: int, ordered: int) -> tuple | None:
         """In a forked process, while the ordering step is recorded: the probes of the shortened chain
-        that every search records first (no checkpointing at both small batches, two more at the
-        first), for the chain, run and options as the model declares them. `_keep_early` keeps them
-        where the ordering step finds the same. Nothing of this process survives it: a failure means
-        only that the probes are recorded later, as they would have been."""
+        that every search records first (no checkpointing at both small batches: `EARLY_PROBES`), then
+        the others at both, one after another until the file descriptor `ordered` can be read (the
+        ordering step has ended), for the chain, run and options as the model declares them.
+        `_keep_early` keeps them where the ordering step finds the same. Nothing of this process
+        survives it: a failure means only that the probes are recorded later, as they would have been."""
         if os.getpid() == self._pid:  # the forked process died and fork_map runs its item here: too late
             return None
         try:
             self.repeat = rep
             self._set_options(b1)
             none = (0,) * len(rep.short_units)
-            others = [(b1, label, choice) for label, choice in self._short_configs().items() if any(choice)]
-            todo = [(b1, "none", none), (self.b2, "none", none), *others[:EARLY_PROBES - 2]]
-            cuts = [(b, choice, *self._record_short(b, choice, label, (j + 1, len(todo)))) for j, (b, label, choice) in enumerate(todo)]
+            configs = [(label, choice) for label, choice in self._short_configs().items() if any(choice)]
+            todo = [(b1, "none", none), (self.b2, "none", none), *((b, *c) for b in (b1, self.b2) for c in configs)]
+            cuts = []
+            for j, (b, label, choice) in enumerate(todo):
+                if j >= EARLY_PROBES and select.select([ordered], [], [], 0)[0]:
+                    break
+                cuts.append((b, choice, *self._record_short(b, choice, label, (j + 1, len(todo)))))
             return self.units, rep, self.options, cuts
         except Exception:  # any failure: see the docstring
             return None
@@ -201,10 +207,11 @@ class ProbeSteps:
         if not items:
             return
         workers = self._workers(len(items))
-        # expected seconds, in probes: the optimizer step and a FLOP count are longer, a verification is
-        # a step at full depth with its recompute
+        # expected seconds, in probes, to take the longest first: a verification is a step at full
+        # depth, a FLOP count a step with its optimizer step (the frontier's solves after it), as is
+        # the no-checkpointing probe
         depth = len(self.units) / len(self.repeat.short_units)
-        costs = [{"time": 1.5, "frontier": 2.5, "verify": 1.2 * depth}.get(k) or 1.0 + 0.2 * (not any(w[2])) for k, w in items]
+        costs = [{"time": 1.2, "frontier": 1.5, "verify": depth}.get(k) or 1.0 + 0.2 * (not any(w[2])) for k, w in items]
 
         def run(item):
             kind, what = item

@@ -204,8 +204,23 @@ class Searcher(ProbeSteps):
             if rep is None:
                 self._order_units(batch_size)
                 return
-            # this process records the ordering step, a forked one the first probes (`_early_probes`)
-            _, early = fork_map(lambda k: self._early_probes(rep, batch_size) if k else self._order_units(batch_size), [0, 1], 2)
+            # this process records the ordering step, a forked one the first probes until it ends
+            # (`_early_probes`: the pipe reads once this process has written to it)
+            ordered, done = os.pipe()
+
+            def job(k: int):
+                if k:
+                    return self._early_probes(rep, batch_size, ordered)
+                try:
+                    return self._order_units(batch_size)
+                finally:
+                    os.write(done, b"1")
+
+            try:
+                _, early = fork_map(job, [0, 1], 2, here=[0])
+            finally:
+                os.close(ordered)
+                os.close(done)
             self._keep_early(early)
 
     def _set_options(self, batch_size: int) -> None:
