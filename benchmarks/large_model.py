@@ -48,8 +48,8 @@ if {full_depth!r}:  # every probe at full depth: no run of identical blocks is s
             importlib.import_module(name).find_repeat = lambda model, units: None
         except ModuleNotFoundError:
             pass
-from ckpt_tune.cli import main
-main()
+import ckpt_tune.cli as cli
+getattr(cli, "entry", cli.main)()  # the installed program's entry point (an earlier checkout has only main)
 """
 FULL_DEPTH = "full-depth"
 

@@ -1,3 +1,3 @@
-from ckpt_tune.cli import main
+from ckpt_tune.cli import entry
 
-main()
+entry()
