@@ -3,9 +3,11 @@ and plan, for this checkout and, side by side in the same run, for the same chec
 (CKPT_TUNE_WORKERS=1: no probe shared out over forked processes) and recording every step at full depth
 (identical blocks not shortened), or for an earlier commit (issue 14).
 
-    python benchmarks/large_model.py [--before full-depth | --before <commit>] [--only 7b] [--no-one-process] [--also <commit>]
+    python benchmarks/large_model.py [--before full-depth | --before <commit>] [--only 7b] [--no-one-process] [--also <commit>] [--repeat 3]
 
-Each command runs in a fresh child process whose checkout comes first on sys.path; the child reports
+This checkout's default run (and the --also commit's) runs `--repeat` times, the two in turn; a row
+gives the run of median wall time and every run's wall time: on a shared machine the same command's
+time moves by a third from one minute to the next. Each command runs in a fresh child process whose checkout comes first on sys.path; the child reports
 its own peak RSS and the largest of the processes it forked (getrusage) at exit. The rule: where both
 checkouts find a plan, this checkout's is the same batch with the same or a lower predicted recompute;
 where the earlier one exits 3 (nothing fits), so does this one; the one-process run finds the same plan.
@@ -92,6 +94,24 @@ def run(checkout: Path, args: list[str], timeout: int, full_depth: bool = False,
     return out
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run of median wall time, with every run's wall time (`walls_s`) and whether all found the same
+    plan (`same_plan_every_run`)."""
+    ranked = sorted(runs, key=lambda r: r["wall_s"])
+    out = dict(ranked[(len(ranked) - 1) // 2])
+    keys = ("exit_code", "batch_size", "checkpoint", "predicted_peak_bytes", "verified_peak_bytes")
+    out.update(walls_s=[r["wall_s"] for r in runs], same_plan_every_run=len({json.dumps([r.get(k) for k in keys]) for r in runs}) == 1)
+    return out
+
+
+def _wall(x: dict) -> str:
+    walls = x.get("walls_s") or []
+    if len(walls) < 2:
+        return str(x.get("wall_s"))
+    same = "" if x.get("same_plan_every_run", True) else "; PLANS DIFFER between runs"
+    return f"{x.get('wall_s')} (median of {', '.join(str(w) for w in walls)}{same})"
+
+
 def verdict(before: dict, after: dict) -> str:
     if before.get("exit_code") is None:
         return "before timed out"
@@ -120,8 +140,10 @@ def main() -> None:
                     help="keep the rows of results/large_model.json that --only does not name, run the others")
     ap.add_argument("--no-before", action="store_true", help="run this checkout only (rows say 'not compared')")
     ap.add_argument("--no-one-process", action="store_true", help="leave out the run of this checkout in one process")
-    ap.add_argument("--also", metavar="COMMIT", help="also run each command once at this commit (an earlier checkout's "
+    ap.add_argument("--also", metavar="COMMIT", help="also run each command at this commit (an earlier checkout's "
                     "times side by side: no verdict)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of this checkout's default command (and of --also's), "
+                    "one after the other in turn; the row is the run of median wall time, with every wall time")
     a = ap.parse_args()
     tree = Path("/tmp/i14/before")
     if not a.no_before and a.before != FULL_DEPTH and not tree.exists():
@@ -135,8 +157,14 @@ def main() -> None:
         rows = {k: v for k, v in json.loads(saved.read_text())["rows"].items() if k not in a.only}
     for name in a.only:
         args = COMMANDS[name]
-        after = run(ROOT, args, a.timeout)
-        print(name, "after", after, file=sys.stderr, flush=True)
+        afters, alsos = [], []
+        for _ in range(a.repeat):  # in turn: a slower minute of the machine falls on both checkouts
+            afters.append(run(ROOT, args, a.timeout))
+            print(name, "after", afters[-1], file=sys.stderr, flush=True)
+            if a.also:
+                alsos.append(run(also_tree, args, a.timeout))
+                print(name, a.also, alsos[-1], file=sys.stderr, flush=True)
+        after = median_run(afters)
         one = {} if a.no_one_process else run(ROOT, args, a.timeout, workers="1")
         if one:
             print(name, "one process", one, file=sys.stderr, flush=True)
@@ -149,9 +177,7 @@ def main() -> None:
         if one:
             rows[name].update(one_process=one, one_process_verdict=verdict(one, after))
         if a.also:
-            also = run(also_tree, args, a.timeout)
-            print(name, a.also, also, file=sys.stderr, flush=True)
-            rows[name].update(also=also, also_commit=a.also)
+            rows[name].update(also=median_run(alsos), also_commit=a.also)
         report(rows, a.before)  # after every command: a long run keeps what it measured
     report(rows, a.before)
 
@@ -184,7 +210,7 @@ def report(rows: dict, before_commit: str) -> None:
             names["also"] = f"{r.get('also_commit')} (earlier checkout)"
             say = r["verdict"] if label == "after" else r.get("one_process_verdict", "") if label == "one_process" else ""
             lines.append(
-                f"| {name} | {names[label]} | {x.get('exit_code')} | {x.get('wall_s')} | "
+                f"| {name} | {names[label]} | {x.get('exit_code')} | {_wall(x)} | "
                 f"{x.get('max_rss_mib')} / {x.get('forked_max_rss_mib', '-')} | {x.get('recorded_steps', '-')} | {x.get('batch_size', '-')} | "
                 f"{len(x['checkpoint']) if 'checkpoint' in x else '-'} | {x.get('predicted_recompute_fraction', '-')} | "
                 f"{_gib(x, 'predicted_peak_bytes')} / {_gib(x, 'verified_peak_bytes')} | {x.get('sharding', '-')} | {say} |"
