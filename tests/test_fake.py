@@ -9,6 +9,7 @@ tests/test_fake_zoo.py.
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -219,6 +220,22 @@ def test_new_storages_are_allocations_and_their_death_frees():
     assert tl.ptrs[3] == fake_storage_key(c)
     assert tl.ptrs[1] == tl.ptrs[2]  # b's allocation and free name the same storage
     assert isinstance(a, FakeTensor)
+
+
+def test_only_ops_whose_schema_returns_no_input_storage_skip_the_comparison_with_their_inputs():
+    """fake._fresh: an aten op's schema annotates every output that may alias an input and every input
+    it writes; such ops, and every op outside aten (a custom op's schema may omit it), are compared."""
+    aten = torch.ops.aten
+    assert fake._fresh(aten.mm.default)
+    assert fake._fresh(aten._to_copy.default)
+    assert not fake._fresh(aten.view.default)  # Tensor(a) -> Tensor(a)
+    assert not fake._fresh(aten.t.default)
+    assert not fake._fresh(aten.add_.Tensor)  # Tensor(a!) self
+    assert not fake._fresh(aten.add.out)  # Tensor(a!) out
+    assert not fake._fresh(aten.split.Tensor)  # Tensor(a)[]
+    importlib.import_module("torch.distributed.fsdp")  # defines fsdp::all_gather_copy_in
+
+    assert not fake._fresh(torch.ops.fsdp.all_gather_copy_in.default)  # returns its input, unannotated
 
 
 def test_resize_of_a_storage_born_while_recording_counts():
