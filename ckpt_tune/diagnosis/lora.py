@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from torch import nn
 
 from ckpt_tune.measure.profiler import StepProfile
-from ckpt_tune.measure.runner import unique_bytes
+from ckpt_tune.measure.tensors import unique_bytes
 from ckpt_tune.tune.sharding import LoraPlan
 
 WEIGHT_LAYERS = (nn.Linear, nn.modules.conv._ConvNd, nn.Embedding)

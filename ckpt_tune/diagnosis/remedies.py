@@ -23,7 +23,8 @@ from ckpt_tune.diagnosis.lora import lora_applied, lora_plan
 from ckpt_tune.diagnosis.result import Remedy
 from ckpt_tune.diagnosis.study import Names, Study
 from ckpt_tune.measure import session
-from ckpt_tune.measure.runner import StepSettings, local_tensor, storage_key
+from ckpt_tune.measure.runner import StepSettings
+from ckpt_tune.measure.tensors import local_tensor, storage_key
 from ckpt_tune.plan.entry import to_data
 from ckpt_tune.tune.memory_model import Terms, policy_options, price_out
 from ckpt_tune.tune.moments import moments_of

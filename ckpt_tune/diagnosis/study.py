@@ -22,7 +22,8 @@ from torch import nn
 from ckpt_tune.diagnosis.result import Diagnosis, Remedy, rank_remedies
 from ckpt_tune.measure.device import Budget
 from ckpt_tune.measure.profiler import StepProfile, build_profile, module_records
-from ckpt_tune.measure.runner import StepRunner, StepSettings, unique_bytes
+from ckpt_tune.measure.runner import StepRunner, StepSettings
+from ckpt_tune.measure.tensors import unique_bytes
 from ckpt_tune.plan.entry import Entry
 from ckpt_tune.tune.memory_model import Terms
 from ckpt_tune.tune.moments import moments_of

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ckpt_tune.measure.runner import Measurement, StepRunner, StepSettings, Timing, unique_bytes
+from ckpt_tune.measure.runner import Measurement, StepRunner, StepSettings, Timing
+from ckpt_tune.measure.tensors import unique_bytes
 
 OUTSIDE = "(outside the model)"
 

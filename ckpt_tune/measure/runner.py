@@ -14,8 +14,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +25,8 @@ from torch.utils._pytree import tree_map_only
 from ckpt_tune import vocab
 from ckpt_tune.errors import UserCodeError
 from ckpt_tune.measure import fake, fake_inputs
+from ckpt_tune.measure.instrument import ForwardClock, Instrument
+from ckpt_tune.measure.tensors import local_tensor, unique_bytes
 from ckpt_tune.measure.timeline import Recorder, Timeline, mark
 from ckpt_tune.plan import apply as plan_apply
 from ckpt_tune.plan.entry import Entry, entries_of
@@ -39,43 +40,6 @@ class StepSettings:
     precision: str = "fp32"  # one of vocab.PRECISIONS
     optimizer: str = "adamw"  # one of vocab.OPTIMIZERS
     fake_target: str = "cuda"  # device "meta": the allocator the fake timeline mimics ("cuda" or "cpu")
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank holds: a DTensor's local shard (FSDP2's parameters, gradients and optimizer
-    state under measure/sharded.py), else t itself."""
-    local = getattr(t, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else t
-
-
-def storage_key(t: torch.Tensor) -> tuple[str, int]:
-    t = local_tensor(t)
-    return (str(t.device), fake.fake_storage_key(t))
-
-
-def unique_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (views and tied weights counted once)."""
-    seen: dict[tuple[str, int], int] = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            seen[storage_key(t)] = local_tensor(t).untyped_storage().nbytes()
-    return sum(seen.values())
-
-
-def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside nested tuples, lists, dicts and ModelOutput-like objects. Not pytree: a
-    user's output dataclass is not a registered pytree node, and its tensors count all the same."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from iter_tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from iter_tensors(v)
-    elif hasattr(obj, "__dataclass_fields__"):
-        for k in obj.__dataclass_fields__:
-            yield from iter_tensors(getattr(obj, k, None))
 
 
 @dataclass
@@ -311,7 +275,7 @@ class StepRunner:
         self._zero_grad()  # frees before recording starts: the profiler cannot see frees of older blocks
         names = {mod: name for name, mod in self.model.named_modules()}
         marked = set(units) | (set(names.values()) if attribute else set())
-        inst = _Instrument(self.model, names, marked, attribute)
+        inst = Instrument(self.model, names, marked, attribute)
         try:
             if checkpoint:
                 plan_apply.apply(self.model, list(checkpoint))
@@ -369,7 +333,7 @@ class StepRunner:
         if self.fake:
             return self._count_flops(batch_size, checkpoint)
         names = {mod: name for name, mod in self.model.named_modules()}
-        clock = _ForwardClock(self.model, names)
+        clock = ForwardClock(self.model, names)
         steps: list[float] = []
         try:
             if checkpoint:
@@ -436,142 +400,3 @@ class Timing:
 def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
     """Pure-bf16 training feeds bf16 inputs: cast every floating tensor of the batch (any pytree)."""
     return tree_map_only(torch.Tensor, lambda x: x.to(dtype) if x.is_floating_point() else x, obj)
-
-
-class _Instrument:
-    """Forward/backward markers, module stack, saved-tensor attribution, gradient pointers."""
-
-    def __init__(self, model: nn.Module, names: dict[nn.Module, str], marked: set[str], attribute: bool) -> None:
-        self.model, self.names, self.marked, self.attribute = model, names, marked, attribute
-        self.handles: list[Any] = []
-        self.stack: list[str] = []
-        self.saved: dict[int, tuple[int, str | None]] = {}
-        self.grad_ptrs: list[int] = []
-        self.module_io: dict[str, tuple[int, int]] = {}
-        self.chained: set[str] = set()
-        self._last_out: Any = None  # (weak reference, version) of the last marked module's first output
-        self._hooks_ctx = None
-        self._param_ptrs = {fake.fake_storage_key(local_tensor(p)) for p in model.parameters()}
-        self._gathered: dict[str, set[int]] = {}  # unit -> its parameters' storages gathered by FSDP2
-
-    def install(self) -> None:
-        for mod, name in self.names.items():
-            if name in self.marked or (self.attribute and mod is self.model):
-                self.handles.append(mod.register_forward_pre_hook(self._pre(name), with_kwargs=True))
-                self.handles.append(mod.register_forward_hook(self._post(name), with_kwargs=True))
-        if self.attribute:
-            for p in self.model.parameters():
-                if p.requires_grad:
-                    self.handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
-            self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-            self._hooks_ctx.__enter__()
-
-    def remove(self) -> None:
-        if self._hooks_ctx is not None:
-            self._hooks_ctx.__exit__(None, None, None)
-            self._hooks_ctx = None
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
-        self.stack.clear()
-
-    def _pre(self, name: str):
-        def hook(mod, args, kwargs):
-            if _recomputing():
-                return
-            mark(f"f>{name}")
-            first = next(iter_tensors((args, kwargs)), None)
-            # the previous block's output, untouched since (an in-place op keeps the object, not the version)
-            if first is not None and self._last_out is not None and self._last_out[0]() is first and first._version == self._last_out[1]:
-                self.chained.add(name)
-            self.stack.append(name)
-            if self.attribute:
-                self.module_io[name] = (unique_bytes(iter_tensors((args, kwargs))), 0)
-                # FSDP2 has just gathered this unit's parameters (its pre-hook runs first): weights, not
-                # activations, while its forward runs; the storage is freed or reused after
-                gathered = {fake.fake_storage_key(local_tensor(p)) for p in mod.parameters()} - self._param_ptrs
-                self._gathered[name] = gathered
-                self._param_ptrs |= gathered
-
-        return hook
-
-    def _post(self, name: str):
-        def hook(mod, args, kwargs, out):
-            if _recomputing():
-                return
-            if self.stack and self.stack[-1] == name:
-                self.stack.pop()
-            mark(f"f<{name}")
-            if self.attribute:
-                self.module_io[name] = (self.module_io[name][0], unique_bytes(iter_tensors(out)))
-                self._param_ptrs -= self._gathered.pop(name, set())
-            first = next(iter_tensors(out), None)
-            self._last_out = (weakref.ref(first), first._version) if first is not None else None
-            for t in iter_tensors(out):
-                if t.requires_grad and t.grad_fn is not None:
-                    t.register_hook(lambda g, name=name: mark(f"b>{name}"))
-                    break
-
-        return hook
-
-    def _pack(self, t: torch.Tensor):
-        if t.device.type != "meta":
-            ptr = fake.fake_storage_key(t)
-            if ptr not in self._param_ptrs and ptr not in self.saved:
-                self.saved[ptr] = (t.untyped_storage().nbytes(), self.stack[-1] if self.stack else None)
-        return t
-
-    def _on_grad(self, p: torch.Tensor) -> None:
-        if p.grad is not None:
-            self.grad_ptrs.append(fake.fake_storage_key(local_tensor(p.grad)))
-
-
-def _recomputing() -> bool:
-    """True while backward runs a forward again: a checkpointed module's recompute calls the marked
-    blocks inside it a second time, which is not a step of the forward (docs/design.md §4)."""
-    return torch._C._current_autograd_node() is not None
-
-
-def _unpack(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-class _ForwardClock:
-    """Inclusive forward wall time per module, via pre/post hooks (no profiler)."""
-
-    def __init__(self, model: nn.Module, names: dict[nn.Module, str]) -> None:
-        self.model, self.names = model, names
-        self.handles: list[Any] = []
-        self.start: dict[str, list[float]] = {}
-        self.total: dict[str, float] = {}
-        self.best: dict[str, float] = {}
-
-    def install(self) -> None:
-        for mod, name in self.names.items():
-            self.handles.append(mod.register_forward_pre_hook(self._pre(name)))
-            self.handles.append(mod.register_forward_hook(self._post(name)))
-
-    def _pre(self, name):
-        def hook(mod, args):
-            self.start.setdefault(name, []).append(time.perf_counter())
-
-        return hook
-
-    def _post(self, name):
-        def hook(mod, args, out):
-            t0 = self.start[name].pop()
-            self.total[name] = self.total.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
-
-        return hook
-
-    def reset(self) -> None:
-        self.total = {}
-
-    def keep_min(self) -> None:
-        for k, v in self.total.items():
-            self.best[k] = min(v, self.best.get(k, v))
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()

@@ -45,7 +45,7 @@ its blocks' forwards directly, without the pre-forward hook that all-gathers the
 block of a segment must be in one shard unit (`fully_shard([b3, b4, b5])`), which `units` can express as
 a tuple of names.
 
-**Markers under FSDP2** (measure/runner.py `_Instrument`, found by recording): FSDP2 registers its
+**Markers under FSDP2** (measure/instrument.py `Instrument`, found by recording): FSDP2 registers its
 forward pre-hook with `prepend=True` and its post-hook at `fully_shard` time, before the runner's hooks
 exist. So on a shard unit:
 
@@ -110,7 +110,8 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from ckpt_tune import vocab
 from ckpt_tune.errors import CkptTuneError
 from ckpt_tune.measure import fake_inputs
-from ckpt_tune.measure.runner import Measurement, StepRunner, StepSettings, local_tensor, unique_bytes
+from ckpt_tune.measure.runner import Measurement, StepRunner, StepSettings
+from ckpt_tune.measure.tensors import local_tensor, unique_bytes
 from ckpt_tune.plan import apply as plan_apply
 from ckpt_tune.plan import shard as plan_shard
 

@@ -24,7 +24,8 @@ import torch
 from ckpt_tune.errors import NoFitError, UserCodeError
 from ckpt_tune.measure.forked import fork_map
 from ckpt_tune.measure.op_costs import policy_ratios, recompute_shares
-from ckpt_tune.measure.runner import Measurement, StepRunner, Timing, unique_bytes
+from ckpt_tune.measure.runner import Measurement, StepRunner, Timing
+from ckpt_tune.measure.tensors import unique_bytes
 from ckpt_tune.plan.entry import POLICIES, Entry, member_names, to_data
 from ckpt_tune.plan.file import FULLY_SHARDED
 from ckpt_tune.plan.segment import available as segment_available
