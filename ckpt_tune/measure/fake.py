@@ -10,8 +10,9 @@ its `nbytes`; a weakref on that storage counts its death as the free. The result
 What no op returns, fake mode cannot see: memory a kernel allocates and frees inside itself. The CPU
 recorder replays what scratch.py measured of it (`CPU_SCRATCH_OPS`); on CUDA the calls that would take
 a cuDNN workspace are counted in `FakeRecorder.unmodelled` (`CUDA_WORKSPACE_OPS`), and the caching
-allocator's rounding of each block up to 512 B is applied (`FakeRecorder(device="cuda")`). The cuBLAS workspace is one block per handle and
-stream, allocated at the first matmul and kept: a constant for the caller to add, not an event here.
+allocator's rounding of each block up to 512 B is applied (`FakeRecorder(device="cuda")`). The cuBLAS
+workspace is one block per handle and stream, allocated at the first matmul and kept: a constant for
+the caller to add, not an event here.
 
 A storage is named by `fake_storage_key(t)`: the StorageImpl's address for a fake tensor (whose
 `data_ptr()` is 0 and deprecated), the data pointer for a real one, which is what `Recorder` records.
@@ -232,7 +233,7 @@ def _fresh(func) -> bool:
     """Whether every output of func is a new storage: an aten op whose schema lets no output alias an
     input and writes no input (view and in-place ops are annotated; custom ops' schemas may omit it:
     FSDP2's `all_gather_copy_in` returns its input). Such an op's outputs need no comparison with
-    its inputs (`FakeRecorder._see`): that comparison was a tenth of a 7B step."""
+    its inputs (`FakeRecorder._see`): that comparison made 18% of a 7B step's Python calls."""
     fresh = _FRESH.get(func)
     if fresh is None:
         schema = getattr(func, "_schema", None)
@@ -244,7 +245,6 @@ def _fresh(func) -> bool:
         )
         _FRESH[func] = fresh
     return fresh
-
 
 
 class _Dispatch(TorchDispatchMode):

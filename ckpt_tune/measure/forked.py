@@ -2,11 +2,11 @@
 
 Under fake tensors (`--device meta`) a recorded step is pure Python on one core, and the probe steps a
 search records at one batch do not depend on each other. `fork_map` shares them out: this process and
-forked children each take the next item from a queue whenever they are free. A child starts as a copy-on-write copy of this
-process, so it holds the model, the optimizer state and the fake process group exactly as they are
-here; it sends back only what the function returns (a probe's cut: a few numbers per block), pickled
-through a pipe, and exits. Results come back in item order, so a search gets the same terms, to the
-byte, on one core or on many (docs/design.md §3).
+forked children each take the next item from a queue whenever they are free. A child starts as a
+copy-on-write copy of this process, so it holds the model, the optimizer state and the fake process
+group exactly as they are here; it sends back only what the function returns (a probe's cut: a few
+numbers per block), pickled through a pipe, and exits. Results come back in item order, so a search
+gets the same terms, to the byte, on one core or on many (docs/design.md §3).
 
 Only fake steps are shared out: a real step's allocations and timings would compete with the others'
 for the host's RAM and cores. A child that dies (killed, crashed) costs nothing but time: the items it
@@ -107,6 +107,7 @@ def _run(fn, items, ks, results) -> bool:
 
 
 def _queued(queue: int) -> Iterator[int]:
+    """The queue's item numbers, each taken when asked for."""
     while (k := _take(queue)) is not None:
         yield k
 
@@ -139,7 +140,11 @@ def queue_order(n: int, costs: Sequence[float] | None = None) -> list[int]:
 
 
 def fork_map(
-    fn: Callable[[T], R], items: Sequence[T], workers: int, costs: Sequence[float] | None = None, here: Sequence[int] = ()
+    fn: Callable[[T], R],
+    items: Sequence[T],
+    workers: int,
+    costs: Sequence[float] | None = None,
+    here: Sequence[int] = (),
 ) -> list[R]:
     """[fn(x) for x in items], in `workers` processes (this one and forked children): each takes the
     next item from a shared queue whenever it is free, in `queue_order` (given `costs`, each item's
