@@ -70,6 +70,9 @@ def _ckpt_forward(self: nn.Module, *args, **kwargs):
     # kwargs reach `run` by closure, not through checkpoint(), so a module keyword named like one of
     # checkpoint's own (debug, context_fn, determinism_check) cannot collide.
     extra = {"context_fn": context_fn(policy)} if policy is not None else {}
+    # the arguments as they are now: a list the caller appends to after this call (DenseNet's earlier
+    # features) must reach the recompute as it was, so containers are copied (tensors are not)
+    args, kwargs = torch.utils._pytree.tree_map(lambda x: x, (args, kwargs))
     return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **extra)
 
 

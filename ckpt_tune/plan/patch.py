@@ -56,6 +56,9 @@ def _ckpt_forward(self, *args, **kwargs):
                 m._buffers[k] = b
 
     extra = {"context_fn": context_fn(policy)} if policy else {}
+    # the arguments as they are now: containers are copied, so a list the caller grows later (DenseNet's
+    # earlier features) reaches the recompute as it was
+    args, kwargs = torch.utils._pytree.tree_map(lambda x: x, (args, kwargs))
     return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **extra)
 
 

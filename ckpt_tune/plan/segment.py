@@ -177,6 +177,9 @@ class Segment:
         try:
             if pos == 0:
                 self.close()  # a region an earlier forward left open
+                # the arguments as they are now: containers copied, so a list the caller grows later
+                # reaches the recompute as it was (docs/design.md §5)
+                args, kwargs = pytree.tree_map(lambda x: x, (args, kwargs))
                 self.calls, self.outputs = [kwargs], {}
                 self.region = _open_region(self._replay(self.calls), args)
             else:

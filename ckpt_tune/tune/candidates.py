@@ -1,7 +1,8 @@
 """Checkpoint candidates: which modules of a model the planner may choose (docs/design.md §4).
 
-A *block* is a child of an `nn.ModuleList`/`nn.Sequential` that repeats one type and has parameters
-(inside another block, see `_all_blocks`).
+A *block* is a child of an `nn.ModuleList`/`nn.Sequential`/`nn.ModuleDict` that repeats one type and has
+parameters (inside another block, see `_all_blocks`). A model without any (ALBERT's one shared layer, a
+network of distinct modules) gets its candidates from a recorded step instead (`call_chain`).
 Blocks nest: a ResNet stage (`stages.0`) is a block of `stages` and holds the residual blocks
 `stages.0.0`, `stages.0.1`; a Swin stage holds its attention blocks. The candidates form a tree:
 
@@ -15,6 +16,8 @@ Finer options are the large sub-modules a leaf has (attention, MLP).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
 
 
@@ -27,7 +30,7 @@ def _all_blocks(model: nn.Module) -> list[str]:
     form a chain is seen when the step runs (`chain_of`)."""
     found: list[str] = []
     for name, mod in model.named_modules():
-        if not isinstance(mod, (nn.ModuleList, nn.Sequential)):
+        if not isinstance(mod, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
             continue
         children = list(mod.named_children())
         types = [type(c) for _, c in children]
@@ -57,6 +60,60 @@ def find_blocks(model: nn.Module) -> list[str]:
     """The innermost blocks (the leaves of the candidate tree), in registration order."""
     every = _all_blocks(model)
     return [b for b in every if not any(_inside(o, b) for o in every)]
+
+
+def with_parameters(model: nn.Module) -> list[str]:
+    """Every module below the root that holds trainable parameters and is not inside a stack of single
+    layers (`_is_block_like`), in registration order: the modules a recorded step marks when the model
+    has no repeated blocks (`call_chain` chooses among them)."""
+    found: list[str] = []
+    stacks: list[str] = []
+    for name, mod in model.named_modules():
+        if not name or any(_inside(name, s) for s in stacks):
+            continue
+        if any(p.requires_grad for p in mod.parameters()):
+            found.append(name)
+            if list(mod.children()) and not _is_block_like(mod):
+                stacks.append(name)  # a Sequential of conv-norm-activation: a unit, never split
+    return found
+
+
+def call_chain(
+    names: list[str],
+    calls: Callable[[str], int],
+    runs_once: Callable[[str], bool],
+    start: Callable[[str], float],
+    follows: Callable[[str, str], bool],
+) -> tuple[list[str], dict[str, list[str]]]:
+    """(units, groups) of a model without repeated blocks, from one recorded step over `names`
+    (`with_parameters`). A module is split into the marked modules below it when none of them was
+    called more than once and those that ran with a backward (`runs_once`) form a chain
+    (`follows(a, b)`: b's forward starts after a's ends, and its backward before a's); recursively. One
+    that cannot be split (it calls a shared layer six times, like ALBERT's encoder) is a unit itself
+    when it ran once with a backward. A split module of two or more units is a group: checkpointed
+    whole, it covers their run. `calls(name)`: forward calls in the step; `start(name)`: when the first
+    began."""
+    called = [n for n in names if calls(n) > 0]  # a ModuleList is never called: its children are its parent's
+    kids: dict[str, list[str]] = {}
+    for n in called:
+        parent = max((o for o in called if _inside(n, o)), key=len, default="")
+        kids.setdefault(parent, []).append(n)
+    groups: dict[str, list[str]] = {}
+
+    def expand(name: str) -> list[str]:
+        whole = [name] if name and runs_once(name) else []
+        mine = kids.get(name, [])
+        if any(calls(k) > 1 for k in mine):
+            return whole
+        chain = sorted((k for k in mine if runs_once(k)), key=start)
+        if not chain or any(not follows(a, b) for a, b in zip(chain, chain[1:])):
+            return whole
+        units = [u for k in chain for u in expand(k)]
+        if whole and len(units) >= 2:
+            groups[name] = units
+        return units or whole
+
+    return expand(""), groups
 
 
 def find_groups(model: nn.Module) -> dict[str, list[str]]:

@@ -30,12 +30,14 @@ from ckpt_tune.plan.entry import POLICIES, Entry, member_names, to_data
 from ckpt_tune.plan.file import FULLY_SHARDED
 from ckpt_tune.plan.segment import available as segment_available
 from ckpt_tune.tune.candidates import (
+    call_chain,
     chain_of,
     find_blocks,
     find_groups,
     find_sub_options,
     group_spans,
     has_sub_option,
+    with_parameters,
 )
 from ckpt_tune.tune.memory_model import (
     RunCut,
@@ -156,6 +158,11 @@ class Searcher(ProbeSteps):
         self.units = tuple(units if units is not None else find_blocks(runner.model))
         # blocks that hold blocks (candidates.py): checkpointed whole, they cover a run of the chain
         self.groups: dict[str, list[str]] = {} if units is not None else find_groups(runner.model)
+        # no repeated blocks: every module with parameters is marked, and the ordering step's calls
+        # choose the chain and its groups (candidates.call_chain)
+        self._by_calls = units is None and not self.units
+        if self._by_calls:
+            self.units = tuple(with_parameters(runner.model))
         self.spans: dict[tuple[int, int], str] = {}
         self.options: tuple[str, ...] = ("none", "block")
         self.b1, self.b2 = 1, 4  # the two small batch sizes every search probes
@@ -238,12 +245,24 @@ class Searcher(ProbeSteps):
         def runs_once(u: str) -> bool:
             return len(mk.get("f>" + u, [])) == 1 and len(mk.get("b>" + u, [])) == 1
 
+        def follows(a: str, b: str) -> bool:
+            return mk["f>" + b][0] >= mk["f<" + a][0] and mk["b>" + b][0] <= mk["b>" + a][0]
+
+        if self._by_calls:
+            marked = list(self.units)
+            self.units, self.groups = call_chain(
+                marked, lambda u: len(mk.get("f>" + u, [])), runs_once, lambda u: mk["f>" + u][0], follows
+            )
+            self.notes.append(
+                f"no repeated blocks: the chain is {len(self.units)} modules that run once, found in the "
+                f"step's calls ({len(self.groups)} holding others)"
+            )
         ok = [u for u in chain_of(list(self.units), self.groups, runs_once, lambda u: u in m.chained) if runs_once(u)]
         ok.sort(key=lambda u: mk["f>" + u][0])
         # backward must visit them in reverse forward order, each forward must end before the next starts
         chain: list[str] = []
         for u in ok:
-            if chain and (mk["f>" + u][0] < mk["f<" + chain[-1]][0] or mk["b>" + u][0] > mk["b>" + chain[-1]][0]):
+            if chain and not follows(chain[-1], u):
                 continue
             chain.append(u)
         self.units = tuple(chain)
