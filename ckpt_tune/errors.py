@@ -28,6 +28,11 @@ class UserCodeError(CkptTuneError):
     """`build`, `make_batch`, `loss_fn` or the model's forward raised, or returned the wrong thing."""
 
 
+class LimitationError(CkptTuneError):
+    """The user's step runs as it is, but what ckpt-tune adds to it (wrappers, probes, timings) failed on
+    this model, leaving nothing to plan: ckpt-tune's limitation, never the user's error."""
+
+
 class BudgetError(CkptTuneError):
     """A memory budget could not be parsed or detected."""
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ckpt_tune.plan.apply import cache_off
 from ckpt_tune.plan.policy import OpRule
 
 FLOPS_PER_BYTE = 250
@@ -160,12 +161,18 @@ def policy_ratios(
     on some block (an in-place change of an output the policy keeps), with the error."""
     if not policies or not units:
         return {}, {}
-    from ckpt_tune.plan.policy import context_fn
-
     model: nn.Module = runner.model
     first: dict[tuple, str] = {}
     kind = {u: first.setdefault(_signature(model.get_submodule(u)), u) for u in units}
     reps = sorted(set(kind.values()), key=list(units).index)
+    with cache_off(model):  # as a checkpointed model runs (plan/apply.py)
+        return _time_policies(runner, batch_size, units, policies, repeats, kind, reps)
+
+
+def _time_policies(runner, batch_size, units, policies, repeats, kind, reps):
+    from ckpt_tune.plan.policy import context_fn
+
+    model: nn.Module = runner.model
     inputs: dict[str, tuple] = {}
 
     def grab(name):

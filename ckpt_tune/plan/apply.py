@@ -11,6 +11,7 @@ patch snippet embeds.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
 import types
@@ -178,6 +179,20 @@ def _turn_off_use_cache(model: nn.Module) -> None:
             config.use_cache = False
             saved.append(config)
             log.info("set %s.config.use_cache = False for checkpointing", type(m).__name__)
+
+
+@contextlib.contextmanager
+def cache_off(model: nn.Module):
+    """Hugging Face's `use_cache` off while the block runs, as `apply` leaves it for a checkpointed
+    model: a block run alone again with the arguments of its first call would fill the cache twice."""
+    saved = [m.config for m in model.modules() if getattr(getattr(m, "config", None), "use_cache", None) is True]
+    for config in saved:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for config in saved:
+            config.use_cache = True
 
 
 def apply(model: nn.Module, plan_or_path: Plan | str | Path | dict | Sequence) -> nn.Module:

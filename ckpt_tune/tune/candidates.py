@@ -16,6 +16,7 @@ Finer options are the large sub-modules a leaf has (attention, MLP).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 from torch import nn
@@ -106,7 +107,7 @@ def call_chain(
         if any(calls(k) > 1 for k in mine):
             return whole
         chain = sorted((k for k in mine if runs_once(k)), key=start)
-        if not chain or any(not follows(a, b) for a, b in zip(chain, chain[1:])):
+        if not chain or any(not follows(a, b) for a, b in itertools.pairwise(chain)):
             return whole
         units = [u for k in chain for u in expand(k)]
         if whole and len(units) >= 2:

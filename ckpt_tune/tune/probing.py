@@ -24,7 +24,6 @@ from dataclasses import replace
 
 import torch
 
-from ckpt_tune.errors import UserCodeError
 from ckpt_tune.measure.forked import fork_map, resident_bytes, usable_workers
 from ckpt_tune.measure.runner import StepRunner
 from ckpt_tune.measure.sharded import ShardedRunner
@@ -34,7 +33,6 @@ from ckpt_tune.tune.memory_model import (
     combine,
     cut_run,
     plan_entries,
-    policy_of,
     probe_configs,
     segments_of,
 )
@@ -141,8 +139,10 @@ class ProbeSteps:
         option = self.options[int(label.removeprefix("option"))] if label.startswith("option") else None
         try:
             yield
-        except (RuntimeError, UserCodeError) as e:
-            if option is None or policy_of(option) is None or isinstance(e, torch.OutOfMemoryError):
+        except (torch.OutOfMemoryError, KeyboardInterrupt):
+            raise
+        except Exception as e:  # a refinement (docs/design.md §8): the option goes, the search goes on
+            if option is None:
                 raise
             raise OptionFailed(option) from e
 
@@ -263,7 +263,8 @@ class ProbeSteps:
         # in one process a verification beside the probes only runs sooner, or in vain where the plan differs
         alongside = budget is not None and len(batches) == 1 and self._workers(2) > 1
         plan = self._likely_plan(batches[0], budget) if alongside else None
-        with self._stage("probe" if plan is None else "probe+verify"), contextlib.suppress(OptionFailed):
+        # a probe that fails here is recorded again by `terms`, which drops its option or the shortened chain
+        with self._stage("probe" if plan is None else "probe+verify"), contextlib.suppress(Exception):
             self._record_shorts(probes, timing, plan, budget)
 
     def _likely_plan(self, b: int, budget: int) -> tuple | None:

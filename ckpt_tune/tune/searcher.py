@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from ckpt_tune.errors import NoFitError, UserCodeError
+from ckpt_tune.errors import CkptTuneError, LimitationError, NoFitError, UserCodeError
 from ckpt_tune.measure.forked import fork_map
 from ckpt_tune.measure.op_costs import policy_ratios, recompute_shares
 from ckpt_tune.measure.runner import Measurement, StepRunner, Timing
@@ -161,6 +161,8 @@ class Searcher(ProbeSteps):
         # no repeated blocks: every module with parameters is marked, and the ordering step's calls
         # choose the chain and its groups (candidates.call_chain)
         self._by_calls = units is None and not self.units
+        self.plain_ran = False
+        self._at: int | None = None  # the batch last probed or verified (a failure's batch, `_plain_again`)
         if self._by_calls:
             self.units = tuple(with_parameters(runner.model))
         self.spans: dict[tuple[int, int], str] = {}
@@ -234,11 +236,23 @@ class Searcher(ProbeSteps):
     def _set_options(self, batch_size: int) -> None:
         """The options of every block: stored, checkpointed whole, its sub-modules, the useful op policies."""
         subs = find_sub_options(self.runner.model, self.units) if "submodules" in self.candidates else []
-        policies = self._useful_policies(batch_size) if "ops" in self.candidates else []
+        policies = self._refinement("op policies", "every block", lambda: self._useful_policies(batch_size), []) if "ops" in self.candidates else []
         self.options = ("none", "block", *subs, *(policy_option(p) for p in policies))
+
+    def _refinement(self, what: str, where: str, run: Callable, instead):
+        """`run()`, a refinement ckpt-tune adds to the user's step (docs/design.md §8): when it raises,
+        a note names it, where and the error's first line, and `instead` is used (the search goes on)."""
+        try:
+            return run()
+        except (torch.OutOfMemoryError, NoFitError, KeyboardInterrupt):
+            raise
+        except Exception as e:
+            self.notes.append(f"{what} dropped for {where}: {_first_line(e)}")
+            return instead
 
     def _order_units(self, batch_size: int) -> None:
         m = self.runner.measure(batch_size, units=(*self.units, *self.groups))
+        self.plain_ran = True  # the user's step ran as it is: whatever fails from here on is ckpt-tune's
         self.runs += 1
         mk = m.timeline.markers
 
@@ -428,6 +442,7 @@ class Searcher(ProbeSteps):
         the probes run two micro-batches and are cut at the second, where every gradient is live (as
         in every later micro-batch); the first is part of the iteration's fixed term."""
         if batch_size not in self._terms:
+            self._at = batch_size
             with self._stage("probe"):
                 while True:
                     try:
@@ -442,13 +457,16 @@ class Searcher(ProbeSteps):
         if self.repeat is not None and self._kind == 1:
             try:
                 t = self._shortened_terms(batch_size)
-            except NotRepeated as e:
+            except (torch.OutOfMemoryError, OptionFailed, KeyboardInterrupt):
+                raise
+            except Exception as e:  # NotRepeated, or the shortened chain failed: a refinement (§8)
                 rep, self.repeat = self.repeat, None
                 self.notes.append(
                     f"blocks {self.units[rep.first]}..{self.units[rep.last]} look identical but were recorded "
-                    f"at full depth: {e}"
+                    f"at full depth: {e if isinstance(e, NotRepeated) else _first_line(e)}"
                 )
                 self._terms.clear()  # every batch on full-depth probes alike
+                self._short_cuts.clear()
         if t is None:
             t = self._full_terms(batch_size)
             if t is None:
@@ -552,6 +570,7 @@ class Searcher(ProbeSteps):
         self.progress(
             f"verifying batch {batch_size} with {len(names)} checkpoints" + (f" ({n_seg} segments)" if n_seg else "")
         )
+        self._at = batch_size
         with self._stage("verify"):
             m = self._measure_plan(batch_size, names)
         self.runs += 1
@@ -652,6 +671,39 @@ class Searcher(ProbeSteps):
         return solve(self.terms(b), self.costs(b), budget)
 
     def search(self, budget: int, batch_size: int | None = None, b1: int | None = None, b2: int | None = None) -> SearchResult:
+        """The largest batch that fits `budget` (or `batch_size`) and its cheapest verified plan. A
+        failure after the user's plain step ran is ckpt-tune's (docs/design.md §8): LimitationError."""
+        try:
+            return self._search(budget, batch_size, b1, b2)
+        except (torch.OutOfMemoryError, MemoryError, KeyboardInterrupt):
+            raise
+        except CkptTuneError as e:
+            if not self.plain_ran or not isinstance(e, UserCodeError):
+                raise
+            self._plain_again()
+            raise self._limitation(e) from e
+        except Exception as e:
+            if not self.plain_ran:
+                raise
+            self._plain_again()
+            raise self._limitation(e) from e
+
+    def _plain_again(self) -> None:
+        """After a failure: the user's plain step at the batch it happened at, with nothing of ckpt-tune's
+        added. It raising (make_batch or the model cannot take that batch) is the user's error."""
+        if self._at is not None and self._at != self.b1:
+            self.runner.measure(self._at)
+
+    def _limitation(self, error: BaseException) -> LimitationError:
+        return LimitationError(
+            f"ckpt-tune could not plan this model: the training step runs as it is, but ckpt-tune's own "
+            f"machinery failed on it ({_first_line(error)}); chain of {len(self.units)} candidate modules"
+            + (f", first {self.units[0]}" if self.units else ""),
+            "this is a limitation of ckpt-tune, not an error in your step: please report it with the output "
+            "of --debug; `--candidates blocks` offers fewer refinements",
+        )
+
+    def _search(self, budget: int, batch_size: int | None, b1: int | None, b2: int | None) -> SearchResult:
         self.b1, self.b2 = b1 or self.b1, b2 or self.b2
         self._settled = False
         try:
@@ -692,11 +744,11 @@ class Searcher(ProbeSteps):
                 estimated = any(self._prev_of(sol.choice, i) not in self.terms(b).segments[(i, j)].measured for i, j in segs)
                 try:
                     verified[sol.choice] = self.verify(b, tuple(sol.names(self.terms(b))), sol.choice)
-                except UserCodeError as e:
-                    runs = [key for key in segs if key not in self.spans]  # a group is one module's checkpoint
-                    if not runs or "CheckpointError" not in str(e):
+                except (torch.OutOfMemoryError, NoFitError, KeyboardInterrupt):
+                    raise
+                except Exception as e:
+                    if not self._drop_refinements(sol.choice, e):
                         raise
-                    self._forbid_segments(runs, str(e))  # the model runs code between these blocks
                     continue
                 if estimated:
                     # the segments' terms are measured now: solve again on them before trusting the plan
@@ -711,12 +763,31 @@ class Searcher(ProbeSteps):
             tightened += 1
         raise self._no_fit(budget, b, verified)
 
+    def _drop_refinements(self, choice: tuple[int, ...], error: BaseException) -> bool:
+        """A plan failed when run: drop what it used beyond checkpointing whole blocks (its segments,
+        groups, sub-module options and op policies) and say so; False when it used none of those."""
+        segs = segments_of(choice)
+        runs = [key for key in segs if key not in self.spans]
+        groups = [key for key in segs if key in self.spans]
+        finer = sorted({k for k in choice if k >= 2})
+        if not (runs or groups or finer):
+            return False
+        if runs or groups:
+            self._forbid_segments(runs + groups, _first_line(error))
+        for k in finer:
+            self._drop_option(self.options[k], error)
+        return True
+
     def _forbid_segments(self, segs: list[tuple[int, int]], why: str) -> None:
         """Drop segments whose recompute did not repeat the forward (code between their blocks saved
         tensors for backward): every segment spanning the same blocks' links goes."""
         links = {k for i, j in segs for k in range(i + 1, j + 1)}
+        failed_groups = {key for key in segs if key in self.spans}
+        for key in failed_groups:
+            del self.spans[key]
         self.segment_keys = tuple(
-            key for key in self.segment_keys if key in self.spans or not links & set(range(key[0] + 1, key[1] + 1))
+            key for key in self.segment_keys
+            if key not in failed_groups and (key in self.spans or not links & set(range(key[0] + 1, key[1] + 1)))
         )
         keep = set(self.segment_keys)
         self._version += 1
@@ -833,3 +904,11 @@ class Searcher(ProbeSteps):
             f"{format_bytes(states)}, the step's activations and temporaries the rest",
             "raise --vram, use --precision bf16-mixed, a smaller --batch-size, or see `ckpt-tune diagnose`",
         )
+
+
+def _first_line(error: BaseException) -> str:
+    """`Type: the first line of the message`, at most 160 characters of it."""
+    text = str(error).strip()
+    if isinstance(error, CkptTuneError):
+        text = error.message
+    return f"{type(error).__name__}: {text.splitlines()[0][:160] if text else ''}".rstrip(": ")
