@@ -23,7 +23,13 @@ def wrap_blocks(model, names):
     tuple of names (a plan's segment) runs those blocks as one checkpointed `Segment`; an entry that
     is a dict `{"module": name, "policy": p}` (a plan's op-level entry in its data form) or its short
     form `"name@p"` checkpoints that module selectively (`policy_context`). A ckpt-tune plan entry is
-    read for its data only: its `to_data()` form where it has one, else the names in its `modules`."""
+    read for its data only: its `to_data()` form where it has one, else the names in its `modules`.
+    A Hugging Face model gets `use_cache = False`, as its own gradient checkpointing sets it (a KV
+    cache filled again by the recompute)."""
+    if names:
+        for m in model.modules():
+            if getattr(getattr(m, "config", None), "use_cache", None) is True:
+                m.config.use_cache = False
     for name in names:
         if hasattr(name, "to_data"):
             name = name.to_data()
@@ -43,6 +49,8 @@ def wrap_blocks(model, names):
         inner = mod.forward
 
         def fwd(*args, _inner=inner, **kwargs):
+            # containers copied at the call: a list the caller grows later (DenseNet) is recomputed as it was
+            args, kwargs = torch.utils._pytree.tree_map(lambda x: x, (args, kwargs))
             return cp.checkpoint(_inner, *args, use_reentrant=False, **kwargs)
 
         mod.forward = fwd

@@ -1,0 +1,117 @@
+"""Models written the way other libraries write them, for the containment tests (tests/test_containment.py).
+
+- `densenet`: torchvision's DenseNet pattern, each dense layer taking the list of all earlier feature maps,
+  which its block (an `nn.ModuleDict`) appends to after the call; stem and first dense block frozen.
+- `albert`: Hugging Face ALBERT, one encoder layer whose weights are shared, called six times.
+- `gpt2`: Hugging Face GPT-2 from its config class with the library's defaults (`use_cache` on, dropout on).
+- `late_batch`: a model whose make_batch fails from batch 3 on (the user's error, at a batch the search
+  reaches after its first step).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class DenseLayer(nn.Module):
+    def __init__(self, cin: int, growth: int) -> None:
+        super().__init__()
+        self.norm1 = nn.BatchNorm2d(cin)
+        self.conv1 = nn.Conv2d(cin, 4 * growth, 1, bias=False)
+        self.norm2 = nn.BatchNorm2d(4 * growth)
+        self.conv2 = nn.Conv2d(4 * growth, growth, 3, padding=1, bias=False)
+
+    def forward(self, prev_features: list[torch.Tensor]) -> torch.Tensor:
+        x = torch.cat(prev_features, 1)
+        x = self.conv1(F.relu(self.norm1(x)))
+        return self.conv2(F.relu(self.norm2(x)))
+
+
+class DenseBlock(nn.ModuleDict):
+    def __init__(self, n: int, cin: int, growth: int) -> None:
+        super().__init__()
+        for i in range(n):
+            self.add_module(f"denselayer{i + 1}", DenseLayer(cin + i * growth, growth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = [x]
+        for layer in self.values():
+            features.append(layer(features))
+        return torch.cat(features, 1)
+
+
+class DenseNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 24, 3, padding=1, bias=False), nn.BatchNorm2d(24), nn.ReLU())
+        self.block1 = DenseBlock(4, 24, 8)
+        self.trans1 = nn.Sequential(nn.BatchNorm2d(56), nn.Conv2d(56, 32, 1), nn.AvgPool2d(2))
+        self.block2 = DenseBlock(4, 32, 8)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = self.block2(self.trans1(self.block1(self.stem(x))))
+        return F.cross_entropy(self.head(x.mean((2, 3))), y)
+
+
+def densenet() -> nn.Module:
+    torch.manual_seed(0)
+    model = DenseNet()
+    for p in [*model.stem.parameters(), *model.block1.parameters()]:
+        p.requires_grad_(False)
+    return model
+
+
+def densenet_batch(batch_size: int):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(batch_size, 3, 16, 16, generator=g), torch.randint(0, 10, (batch_size,), generator=g)
+
+
+def albert() -> nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.AlbertConfig(
+        vocab_size=512, embedding_size=32, hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=64,
+    )
+    return transformers.AlbertForMaskedLM(config)
+
+
+def gpt2() -> nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=512, n_positions=64)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def tokens_batch(batch_size: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 512, (batch_size, 32), generator=g)
+    return {"input_ids": ids, "labels": ids}
+
+
+class Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32)) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x.square().mean()
+
+
+def late_batch() -> nn.Module:
+    torch.manual_seed(0)
+    return Chain()
+
+
+def late_batch_make_batch(batch_size: int) -> torch.Tensor:
+    if batch_size > 2:
+        raise ValueError(f"this data loader yields at most 2 samples, not {batch_size}")
+    return torch.randn(batch_size, 32)
+
+
+make_batch = late_batch_make_batch

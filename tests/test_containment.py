@@ -1,0 +1,136 @@
+"""Whose failure is it (docs/design.md §8): what ckpt-tune adds to a user's step never takes a search
+down, and a failure of ckpt-tune's is never reported as the user's. On models written the way other
+libraries write them (tests/assets/targets/others.py); peaks judged by the independent harness."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import ckpt_tune
+from ckpt_tune.errors import LimitationError, UserCodeError
+from ckpt_tune.measure.session import Settings
+from ckpt_tune.tune.candidates import call_chain, find_blocks
+from tests.assets.targets import others
+from tests.harness import measured_peak, one_step
+
+OTHERS = "tests/assets/targets/others.py"
+CPU = Settings(device="cpu")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _loss(model, batch):
+    return model(**batch).loss if isinstance(batch, dict) else model(*batch)
+
+
+def _same_step(build, batch, names) -> None:
+    """One step of the model with `names` applied equals one without: loss, gradients, buffers, RNG."""
+    plain = build()
+    planned = copy.deepcopy(plain)
+    ckpt_tune.apply(planned, names)
+    a, b = one_step(plain, batch, _loss), one_step(planned, batch, _loss)
+    assert torch.equal(a["loss"], b["loss"])
+    assert a["grads"].keys() == b["grads"].keys()
+    assert all(torch.equal(a["grads"][k], b["grads"][k]) for k in a["grads"])
+    assert all(torch.equal(a["buffers"][k], b["buffers"][k]) for k in a["buffers"])
+    assert torch.equal(a["rng"], b["rng"])
+
+
+def test_a_list_the_parent_grows_after_the_call_is_recomputed_as_it_was() -> None:
+    # each dense layer takes the block's list of features, which the block appends to after the call
+    names = ["block2.denselayer1", "block2.denselayer2", "block2.denselayer3", "block2.denselayer4"]
+    _same_step(others.densenet, others.densenet_batch(4), names)
+    _same_step(others.densenet, others.densenet_batch(4), [names[:3]])  # a segment's first block too
+
+
+def test_densenet_blocks_in_a_module_dict_are_planned_and_verified() -> None:
+    assert find_blocks(others.densenet())[:1] == ["block1.denselayer1"]
+    budget = 6 << 20
+    out = ckpt_tune.search(f"{OTHERS}:densenet", vram=str(budget), settings=Settings(device="cpu", batch_fn=f"{OTHERS}:densenet_batch"))
+    plan = out.plan
+    assert plan.verified_peak_bytes <= budget
+    real = measured_peak(others.densenet, others.densenet_batch, _loss, plan.batch_size, checkpoint=plan.checkpoint)
+    assert real == plan.verified_peak_bytes
+    _same_step(others.densenet, others.densenet_batch(4), plan.checkpoint)
+
+
+@pytest.mark.hf
+def test_a_shared_layer_called_six_times_is_planned_through_the_module_that_calls_it() -> None:
+    pytest.importorskip("transformers")
+    budget = 24 << 20
+    out = ckpt_tune.search(f"{OTHERS}:albert", vram=str(budget), settings=Settings(device="cpu", batch_fn=f"{OTHERS}:tokens_batch"))
+    assert "albert.encoder" in out.result.units  # the shared layer runs six times: its caller is the unit
+    assert any("no repeated blocks" in n for n in out.result.notes)
+    plan = out.plan
+    assert plan.verified_peak_bytes <= budget
+    assert plan.batch_size >= out.result.baselines["every block"].batch_size
+    real = measured_peak(others.albert, others.tokens_batch, _loss, plan.batch_size, checkpoint=plan.checkpoint)
+    assert real == plan.verified_peak_bytes
+    _same_step(others.albert, others.tokens_batch(2), plan.checkpoint)
+
+
+@pytest.mark.hf
+@pytest.mark.slow
+def test_a_stock_hugging_face_decoder_with_its_cache_on_plans_with_default_options() -> None:
+    pytest.importorskip("transformers")
+    assert others.gpt2().config.use_cache is True
+    budget = 40 << 20
+    out = ckpt_tune.search(f"{OTHERS}:gpt2", vram=str(budget), settings=Settings(device="cpu", batch_fn=f"{OTHERS}:tokens_batch"))
+    plan = out.plan
+    assert plan.verified_peak_bytes <= budget
+    assert not any("dropped" in n for n in out.result.notes), out.result.notes  # the op-policy timing ran
+    real = measured_peak(others.gpt2, others.tokens_batch, _loss, plan.batch_size, checkpoint=plan.checkpoint)
+    assert real <= budget
+    _same_step(others.gpt2, others.tokens_batch(2), plan.checkpoint)
+
+
+def test_a_refinement_that_raises_is_dropped_with_a_note_and_the_search_goes_on(monkeypatch) -> None:
+    import ckpt_tune.tune.searcher as searcher_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Trying to backward through the graph a second time")
+
+    monkeypatch.setattr(searcher_module, "policy_ratios", broken)
+    out = ckpt_tune.search(f"{OTHERS}:densenet", vram=str(6 << 20), settings=Settings(device="cpu", batch_fn=f"{OTHERS}:densenet_batch"))
+    assert out.plan.verified_peak_bytes <= 6 << 20
+    assert "op policies dropped for every block: RuntimeError: Trying to backward through the graph a second time" in out.result.notes
+
+
+def test_a_failure_of_ckpt_tunes_own_after_the_plain_step_is_its_limitation(monkeypatch, run) -> None:
+    import ckpt_tune.tune.searcher as searcher_module
+
+    def broken(*args, **kwargs):
+        raise IndexError("list index out of range")
+
+    monkeypatch.setattr(searcher_module, "solve", broken)
+    with pytest.raises(LimitationError):
+        ckpt_tune.search(f"{OTHERS}:late_batch", vram="1MiB", batch_size=2, settings=CPU)
+    code, _, err = run("search", f"{OTHERS}:late_batch", "--device", "cpu", "--vram", "1MiB", "--batch-size", "2")
+    assert code == 1
+    assert err.startswith("error: ckpt-tune could not plan this model"), err
+    assert "IndexError: list index out of range" in err
+    assert "the training step raised" not in err
+    assert "Traceback" not in err
+    assert "limitation of ckpt-tune" in err
+
+
+def test_the_users_step_failing_at_a_later_batch_stays_the_users_error() -> None:
+    with pytest.raises(UserCodeError, match="at most 2 samples") as e:
+        ckpt_tune.search(f"{OTHERS}:late_batch", vram="1MiB", settings=CPU)
+    assert not isinstance(e.value, LimitationError)
+
+
+def test_call_chain_splits_what_runs_as_a_chain_and_keeps_a_caller_of_a_shared_layer_whole() -> None:
+    # a: embeddings (two leaves, a chain), b: encoder calling b.shared three times, c: head
+    names = ["a", "a.x", "a.y", "b", "b.list", "b.list.shared", "b.shared_inner", "c"]
+    calls = {"a": 1, "a.x": 1, "a.y": 1, "b": 1, "b.list": 0, "b.list.shared": 3, "b.shared_inner": 3, "c": 1}
+    start = {n: i for i, n in enumerate(names)}
+    units, groups = call_chain(names, calls.__getitem__, lambda n: calls[n] == 1, start.__getitem__, lambda a, b: start[a] < start[b])
+    assert units == ["a.x", "a.y", "b", "c"]
+    assert groups == {"a": ["a.x", "a.y"]}
+    # modules that overlap in time are no chain: their parent stays whole
+    units, groups = call_chain(["p", "p.u", "p.v"], lambda n: 1, lambda n: True, lambda n: 0, lambda a, b: False)
+    assert units == ["p"]
+    assert groups == {}
