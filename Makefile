@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-heavy zoo setup lint clean
+.PHONY: demo test test-slow test-heavy zoo sweep setup lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -42,6 +42,13 @@ test-heavy: $(STAMP)
 # tests fail: a failing row is reported as failing); exits with pytest's status
 zoo: $(STAMP)
 	$(BIN)/python -m pytest -q tests/zoo -m ''; status=$$?; $(BIN)/python benchmarks/zoo.py && exit $$status
+
+# the sweep: every architecture of transformers' LM/seq2seq/image/speech auto mappings, torchvision's classification
+# and segmentation models, one small timm model per family and four diffusers models, through profile, search
+# and apply against the harness (benchmarks/sweep.py, a forked process per architecture, two at a time): writes
+# benchmarks/results/sweep.json and sweep.md (about 1.5 h on 2 cores); its stratified subset is tests/test_sweep.py
+sweep: $(STAMP)
+	$(BIN)/python benchmarks/sweep.py --jobs 2
 
 lint: $(STAMP)
 	$(BIN)/ruff check ckpt_tune tests
