@@ -9,8 +9,8 @@
    checkpoint wrappers) at its batch is within the budget, and whose batch is at least the every-block batch:
    the largest batch at which the harness's step with every innermost block (`find_blocks`) checkpointed fits
    (with no blocks, the largest batch without checkpointing).
-3. correctness: one step of a fresh model with `ckpt_tune.apply(model, plan)` against one without, both
-   seeded alike (dropout on): the same loss, gradients, buffers (BatchNorm statistics and their counters)
+3. correctness: one step (batch 2) of a fresh model with `ckpt_tune.apply(model, plan)` against one without,
+   both seeded alike (dropout on): the same loss, gradients, buffers (BatchNorm statistics and their counters)
    and global RNG state afterwards; bit for bit, or within 1e-6 relative where the plain step is itself not
    reproducible bit for bit (`tests.harness.one_step`).
 
@@ -56,7 +56,7 @@ SPEC = "benchmarks/sweep_models.py:build"
 PROFILE_BATCH = 2
 BUDGET_FACTOR = 3  # budget = static + BUDGET_FACTOR × (peak(PROFILE_BATCH) − static)
 MAX_BATCH = 4096
-DEFAULT_TIMEOUT = 360
+DEFAULT_TIMEOUT = 240
 TOLERANCE = 1e-6  # relative, where the plain step itself is not reproducible bit for bit
 CHECKS = ("build", "profile", "search", "plan", "every-block", "correctness")
 
@@ -111,8 +111,7 @@ def static_bytes(model: torch.nn.Module) -> int:
 def largest_fitting(peak_at, limit: int, start: int, exact: bool = True) -> tuple[int, dict[int, int | None]]:
     """Largest batch b ≥ 0 with peak_at(b) ≤ limit (peaks grow with the batch; a step that raises does not
     fit), searched from `start` by a line through two measurements, then walked to the boundary. Without
-    `exact`, stops once it is known whether `start` fits and `start + 1` does not (returns start, or
-    start + 1 meaning "more")."""
+    `exact`, when `start + 1` does not fit it returns `start` at once, meaning "at most start"."""
     seen: dict[int, int | None] = {}
 
     def peak(b: int) -> int | None:
@@ -127,8 +126,8 @@ def largest_fitting(peak_at, limit: int, start: int, exact: bool = True) -> tupl
         return b == 0 or (peak(b) is not None and peak(b) <= limit)
 
     start = max(1, start)
-    if not exact:
-        return (start + 1 if fits(start + 1) else start if fits(start) else start - 1), seen
+    if not exact and not fits(start + 1):
+        return start, seen  # at most `start`: all a comparison with `start` needs
     guess = start
     if peak(start) is not None and peak(start + 1) is not None and peak(start + 1) > peak(start):
         guess = start + (limit - peak(start)) // (peak(start + 1) - peak(start))  # a line through two batches
@@ -250,6 +249,8 @@ def classify(fail: dict[str, Any], harness_ok: bool = True) -> str:
         return f"harness cannot run the plan ({fail['error_type']})" if check == "plan" else "harness: every-block step raised"
     stage = {"profile": "profile", "search": "search", "correctness": "apply"}.get(check, check)
     what = _pattern(error, fail.get("cause"))
+    if check == "correctness" and fail.get("raw_traceback"):  # the step of the model with the plan applied
+        return f"applied plan's step raised {fail['error_type']}" + (f" ({what})" if what else "")
     if fail.get("raw_traceback"):
         where = fail.get("where_ckpt_tune") or fail.get("where") or "?"
         module = where.split(":")[0].removeprefix("ckpt_tune/").removesuffix(".py")
@@ -267,11 +268,11 @@ def classify(fail: dict[str, Any], harness_ok: bool = True) -> str:
 
 
 # -- one architecture ------------------------------------------------------------------------------------
-def run_arch(arch: sm.Arch, exact: bool = True, progress=None) -> dict[str, Any]:
+def run_arch(arch: sm.Arch, exact: bool = False, progress=None) -> dict[str, Any]:
     """The three checks of one architecture, in this process; the row of the results.
 
     `progress(row)` is called after each stage (the forked runner saves it: a timeout keeps what was done).
-    `exact=False` (the tests): the every-block batch is only compared with the plan's (one measurement)."""
+    `exact`: the every-block batch exactly, not only as "≤ the plan's batch" where it is no larger."""
     import ckpt_tune
     from ckpt_tune.plan.entry import plain
     from ckpt_tune.tune.candidates import find_blocks
@@ -393,7 +394,7 @@ def run_arch(arch: sm.Arch, exact: bool = True, progress=None) -> dict[str, Any]
                 return harness.measured_peak(build, make_batch, loss_fn, b, checkpoint=blocks)
 
             eb, seen = largest_fitting(every_peak, budget, plan.batch_size, exact=exact)
-            row["every_block_batch"] = eb if exact or eb <= plan.batch_size else f">{plan.batch_size}"
+            row["every_block_batch"] = eb if exact or eb > plan.batch_size else f"≤{eb}"
             row["every_block_peaks"] = {str(k): v for k, v in sorted(seen.items())}
             if eb > plan.batch_size:
                 fail("search", cls="batch below every-block",
@@ -437,7 +438,7 @@ def correctness(build, make_batch, loss_fn, plan) -> tuple[list[tuple[str, str]]
     import ckpt_tune
 
     one_step = _harness().one_step
-    batch = make_batch(plan.batch_size)
+    batch = make_batch(PROFILE_BATCH)
     want = one_step(build(), batch, loss_fn)
     wrapped = ckpt_tune.apply(build(), plan)
     got = one_step(wrapped, batch, loss_fn)
@@ -482,6 +483,10 @@ def correctness(build, make_batch, loss_fn, plan) -> tuple[list[tuple[str, str]]
 
 # -- many architectures, one forked process each ------------------------------------------------------------
 def _child(arch: sm.Arch, path: str, threads: int, exact: bool) -> None:
+    with contextlib.suppress(Exception):  # Linux: end with the sweep, even when it is killed
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     torch.set_num_threads(threads)
     sm.quiet()
 
@@ -502,7 +507,7 @@ def _child(arch: sm.Arch, path: str, threads: int, exact: bool) -> None:
         os._exit(0)
 
 
-def run_many(archs: list[sm.Arch], jobs: int, timeout: float, exact: bool = True, log=print) -> list[dict[str, Any]]:
+def run_many(archs: list[sm.Arch], jobs: int, timeout: float, exact: bool = False, log=print) -> list[dict[str, Any]]:
     ctx = multiprocessing.get_context("fork")
     threads = max(1, (os.cpu_count() or 1) // jobs)
     rows: dict[int, dict[str, Any]] = {}
@@ -682,6 +687,9 @@ def main() -> None:
     ap.add_argument("--subset", action="store_true", help="the stratified subset of tests/test_sweep.py")
     ap.add_argument("--jobs", type=int, default=1, help="architectures at a time (default 1; torch threads = CPUs / jobs)")
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds per architecture")
+    ap.add_argument("--exact", action="store_true",
+                    help="the every-block batch exactly (default: exactly only where it beats search's batch, "
+                         "else recorded as ≤ search's batch: one or two measurements fewer)")
     ap.add_argument("--list", action="store_true", help="print the architectures and exit")
     ap.add_argument("--render", action="store_true", help="write results/sweep.md again from results/sweep.json")
     args = ap.parse_args()
@@ -697,7 +705,8 @@ def main() -> None:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill PID` stops it as Ctrl-C does: results kept
     t0 = time.perf_counter()
     order = interleaved(archs)  # the libraries in turn: a sweep stopped early has some of each
-    done = {id(a): r for a, r in zip(order, run_many(order, args.jobs, args.timeout, log=lambda s: print(s, flush=True)))}
+    done = {id(a): r for a, r in zip(order, run_many(order, args.jobs, args.timeout, exact=args.exact,
+                                                                   log=lambda s: print(s, flush=True)))}
     rows = [done[id(a)] for a in archs]
     seconds = time.perf_counter() - t0
     body = render(rows, seconds)
@@ -706,6 +715,7 @@ def main() -> None:
         print(body)
         return
     data = {"settings": {"profile_batch": PROFILE_BATCH, "budget_factor": BUDGET_FACTOR, "jobs": args.jobs,
+                         "exact_every_block": args.exact,
                          "timeout_s": args.timeout, "max_params": sm.MAX_PARAMS, "versions": versions()},
             "seconds": round(seconds, 1), "summary": summary(rows), "rows": rows}
     write_results("sweep", "Sweep: ckpt-tune on every architecture of transformers, torchvision, timm and diffusers", data, body)
@@ -725,8 +735,8 @@ def rerender(data: dict[str, Any]) -> None:
     for r in rows:
         if r.get("skipped"):
             continue
-        for f in r.get("failures", []):
-            if f.get("check") not in ("timeout", "crash") and "error_type" in f:
+        for f in r.get("failures", []):  # the classes derived from an exception (not a measured verdict)
+            if f.get("check") in ("profile", "search", "correctness", "every-block") and "error_type" in f:
                 f["class"] = classify({**f, "class": None}, True)
         r["failure_class"] = r["failures"][0]["class"] if r.get("failures") else None
     data["summary"] = summary(rows)

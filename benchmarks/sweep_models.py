@@ -46,7 +46,8 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 ENV = "CKPT_TUNE_SWEEP_ARCH"
 LIBRARIES = ("transformers", "torchvision", "timm", "diffusers")
-MAX_PARAMS = 60_000_000  # larger models (vgg, vit_b_16, ...) are not swept: hours on 2 cores (a search steps AdamW often)
+MAX_PARAMS = 12_000_000  # larger models are not swept: at a budget where their batch is small in activations, AdamW's
+# temporaries (the size of the parameters) leave room for a batch in the hundreds, minutes a step on 2 cores
 SEQ, TARGET_SEQ, VOCAB = 16, 16, 1000  # labels as long as the ids: audio LMs in the seq2seq mapping align them
 IMAGE, CLASSES, SEG_CLASSES = 64, 10, 5
 AUDIO_SAMPLES = 4096  # raw audio (`input_values`) for speech models that take it
