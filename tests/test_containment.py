@@ -134,3 +134,35 @@ def test_call_chain_splits_what_runs_as_a_chain_and_keeps_a_caller_of_a_shared_l
     units, groups = call_chain(["p", "p.u", "p.v"], lambda n: 1, lambda n: True, lambda n: 0, lambda a, b: False)
     assert units == ["p"]
     assert groups == {}
+
+
+def test_a_sequential_of_single_layers_is_checkpointed_whole_and_a_bottleneck_joins_the_chain() -> None:
+    from ckpt_tune.measure.runner import StepRunner, StepSettings
+    from ckpt_tune.tune.candidates import outside
+    from ckpt_tune.tune.searcher import Searcher
+    from tests.test_examples import load_example
+
+    unet = load_example("unet")
+    model = unet.build()
+    blocks = find_blocks(model)
+    assert blocks == ["encoder.0", "encoder.1", "encoder.2", "decoder.0", "decoder.1", "decoder.2"]
+    assert "bottleneck" in outside(model, blocks)
+    with StepRunner(model, unet.make_batch, unet.loss_fn, StepSettings(device="cpu")) as runner:
+        s = Searcher(runner)
+        s.order_units(1)
+    assert s.units == ("encoder.0", "encoder.1", "encoder.2", "bottleneck", "decoder.0", "decoder.1", "decoder.2")
+
+
+def test_diffusers_blocks_of_one_each_are_candidates_and_a_transformer_is_checkpointed_whole() -> None:
+    diffusers = pytest.importorskip("diffusers")
+    model = diffusers.UNet2DConditionModel(
+        sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8,
+    )
+    blocks = find_blocks(model)
+    # one ResNet block per down block: the type repeats across the model, so each is a candidate
+    assert {"down_blocks.0.resnets.0", "down_blocks.1.resnets.0", "mid_block.resnets.0"} <= set(blocks)
+    # a Transformer2DModel holds one transformer block: checkpointed whole, projections and norm too
+    assert {"down_blocks.0.attentions.0", "mid_block.attentions.0", "up_blocks.1.attentions.1"} <= set(blocks)
+    assert not any(".transformer_blocks." in b for b in blocks)

@@ -164,8 +164,9 @@ def test_groups_are_planned_without_segments():
     with StepRunner(t.build(), t.make_batch, t.loss_fn) as runner:
         s = Searcher(runner, segments=False)
         s.order_units(2)
-    assert s.segment_keys == ((0, 1), (2, 3), (4, 5))
-    assert replace(Terms(1, s.units, 0, 0, 0, ()), groups=s.spans).names(with_segment((0,) * 6, 2, 3)) == (
+    assert s.units[0] == "stem"  # a conv-norm-activation stack before the stages joins the chain
+    assert s.segment_keys == ((1, 2), (3, 4), (5, 6))
+    assert replace(Terms(1, s.units, 0, 0, 0, ()), groups=s.spans).names(with_segment((0,) * 7, 3, 4)) == (
         Entry(("stages.1",)),
     )
 

@@ -4,8 +4,9 @@ A hub in the style of accelerate's: it imports one leaf module per command (cli/
 check.py, diagnose.py) and registers their functions; no command imports the hub. The options the
 commands share live in cli/options.py.
 
-Exit codes: 0 success; 1 error (bad target or input, user code raised); 2 usage; 3 the answer is "no"
-(nothing fits the budget, or `check` found a regression).
+Exit codes: 0 success; 1 error (bad target or input, user code raised, ckpt-tune's own limitation); 2
+usage; 3 the answer is "no" (nothing fits the budget, or `check` found a regression); 130 interrupted
+(Ctrl-C).
 
 Project configuration (cli/config.py: `[tool.ckpt-tune]` in pyproject.toml, or ckpt-tune.toml, found from
 the current directory upward) becomes click's `default_map`: the root callback reads it before the command
@@ -34,7 +35,7 @@ from ckpt_tune.cli import config as project_config
 from ckpt_tune.errors import CkptTuneError
 
 app = typer.Typer(
-    add_completion=False,
+    add_completion=True,  # --install-completion, --show-completion
     no_args_is_help=True,
     help="Where the memory of a PyTorch training step goes, and how to make it fit.",
     pretty_exceptions_enable=False,
@@ -43,10 +44,21 @@ app = typer.Typer(
 _state: dict[str, Any] = {"debug": False, "config": None, "help": False}
 
 
+def _version(value: bool) -> None:
+    if value:
+        from ckpt_tune import __version__
+
+        sys.stdout.write(f"ckpt-tune {__version__}\n")
+        raise typer.Exit()
+
+
 @app.callback()
 def _root(
     ctx: typer.Context,
     debug: Annotated[bool, typer.Option("--debug", help="show full tracebacks")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="print the version and exit")
+    ] = False,
     config: Annotated[
         Path | None,
         typer.Option("--config", dir_okay=False, help="read option defaults from this ckpt-tune.toml or pyproject.toml only"),
@@ -130,6 +142,18 @@ def _name_config(e: CkptTuneError, found, ctx) -> None:
         e.hint = f"{e.hint}; {note}" if e.hint else note
 
 
+def _flag_help(make: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """The command's --help option, shown as a flag like the others."""
+
+    def get(ctx):
+        option = make(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+    return get
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: click handles usage errors (exit 2); our error family becomes one line and its code."""
     args = sys.argv[1:] if argv is None else argv
@@ -137,8 +161,16 @@ def main(argv: list[str] | None = None) -> None:
     command = typer.main.get_command(app)
     for sub in command.commands.values():
         sub.invoke = _with_config(sub.invoke)
+    for cmd in (command, *command.commands.values()):
+        for param in cmd.params:
+            if getattr(param, "is_flag", False):
+                param.metavar = ""  # a flag takes no value: shown as --json, not --json <bool>
+        cmd.get_help_option = _flag_help(cmd.get_help_option)
     try:
         command(args)
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted: nothing was written\n")
+        sys.exit(130)
     except CkptTuneError as e:
         if _state["debug"]:
             raise

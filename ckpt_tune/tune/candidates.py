@@ -17,29 +17,37 @@ Finer options are the large sub-modules a leaf has (attention, MLP).
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Callable
 
 from torch import nn
 
 
 def _all_blocks(model: nn.Module) -> list[str]:
-    """Names of every block at every nesting level, in registration order.
+    """Names of every block at every nesting level, in registration order: children of containers
+    whose type occurs twice or more among the children of the model's containers (of the container
+    alone, when it is itself a block).
 
     Inside a block, a container's children are blocks only when they are all of one type and are
     more than a stack of layers (`_is_block_like`): a ResNet stage's residual blocks are, the
     conv-norm-activation layers of a MobileNet block and the two Linears of an MLP are not. Whether they also
     form a chain is seen when the step runs (`chain_of`)."""
+    containers = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential, nn.ModuleDict))]
+    # a type repeats across the model's containers: diffusers' down blocks hold one ResNet block each
+    every = Counter(type(c) for _, m in containers for c in m.children())
     found: list[str] = []
-    for name, mod in model.named_modules():
-        if not isinstance(mod, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
-            continue
+    for name, mod in containers:
         children = list(mod.named_children())
         types = [type(c) for _, c in children]
         inner = any(_inside(name, f) for f in found)
         if inner and (len(set(types)) != 1 or not all(_is_block_like(c) for _, c in children)):
             continue
+        if not _is_block_like(mod):  # a DoubleConv's conv-norm-activation layers: the stack is the unit
+            continue
         for cname, child in children:
-            if types.count(type(child)) >= 2 and any(True for _ in child.parameters()):
+            # a block that is itself a container (a Sequential block) counts its own children only
+            seen = types.count(type(child)) if name in found else every[type(child)]
+            if seen >= 2 and any(True for _ in child.parameters()):
                 found.append(f"{name}.{cname}" if name else cname)
     order = {n: i for i, (n, _) in enumerate(model.named_modules())}
     return sorted(found, key=order.__getitem__)
@@ -57,9 +65,19 @@ def _inside(name: str, group: str) -> bool:
     return name.startswith(group + ".")
 
 
+def _blocks(model: nn.Module) -> list[str]:
+    """`_all_blocks`, less the blocks inside a block that holds one leaf only: diffusers'
+    `Transformer2DModel` holds one transformer block, and checkpointing it whole (its projections
+    and norm too) is the choice a user names."""
+    every = _all_blocks(model)
+    leaves = [b for b in every if not any(_inside(o, b) for o in every)]
+    single = [g for g in every if g not in leaves and sum(_inside(x, g) for x in leaves) == 1]
+    return [b for b in every if not any(_inside(b, g) for g in single)]
+
+
 def find_blocks(model: nn.Module) -> list[str]:
     """The innermost blocks (the leaves of the candidate tree), in registration order."""
-    every = _all_blocks(model)
+    every = _blocks(model)
     return [b for b in every if not any(_inside(o, b) for o in every)]
 
 
@@ -76,6 +94,30 @@ def with_parameters(model: nn.Module) -> list[str]:
             found.append(name)
             if list(mod.children()) and not _is_block_like(mod):
                 stacks.append(name)  # a Sequential of conv-norm-activation: a unit, never split
+    return found
+
+
+def outside(model: nn.Module, units: list[str] | tuple[str, ...]) -> list[str]:
+    """`with_parameters` modules that neither hold nor sit inside a unit: what may run between units
+    (a U-Net's bottleneck between its encoder and decoder lists, a stem before the stages)."""
+    return [n for n in with_parameters(model) if not any(n == u or _inside(n, u) or _inside(u, n) for u in units)]
+
+
+def between(
+    marked: list[str], units: list[str], runs_once: Callable[[str], bool], window: Callable[[str], tuple[float, float, float]], model: nn.Module
+) -> list[str]:
+    """The composite modules of `marked` (`outside`) that run once with a backward entirely before,
+    between or after the units, outermost first: units of the chain as well, so that "every block"
+    is every module a user would checkpoint. `window(name)`: (forward start, forward end, backward
+    start). Single layers (a head, an embedding) are left out: checkpointing one saves nothing."""
+    spans = [window(u) for u in units]
+    found: list[str] = []
+    for n in marked:
+        if any(_inside(n, f) for f in found) or not runs_once(n) or not list(model.get_submodule(n).children()):
+            continue
+        f0, f1, _ = window(n)
+        if all(f1 <= a or f0 >= b for a, b, _ in spans):
+            found.append(n)
     return found
 
 
@@ -119,7 +161,7 @@ def call_chain(
 
 def find_groups(model: nn.Module) -> dict[str, list[str]]:
     """Each block that holds blocks -> its leaves, in registration order, outermost groups first."""
-    every = _all_blocks(model)
+    every = _blocks(model)
     leaves = [b for b in every if not any(_inside(o, b) for o in every)]
     return {g: [b for b in leaves if _inside(b, g)] for g in every if any(_inside(o, g) for o in every)}
 

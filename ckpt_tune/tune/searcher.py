@@ -30,6 +30,7 @@ from ckpt_tune.plan.entry import POLICIES, Entry, member_names, to_data
 from ckpt_tune.plan.file import FULLY_SHARDED
 from ckpt_tune.plan.segment import available as segment_available
 from ckpt_tune.tune.candidates import (
+    between,
     call_chain,
     chain_of,
     find_blocks,
@@ -37,6 +38,7 @@ from ckpt_tune.tune.candidates import (
     find_sub_options,
     group_spans,
     has_sub_option,
+    outside,
     with_parameters,
 )
 from ckpt_tune.tune.memory_model import (
@@ -165,6 +167,8 @@ class Searcher(ProbeSteps):
         self._at: int | None = None  # the batch last probed or verified (a failure's batch, `_plain_again`)
         if self._by_calls:
             self.units = tuple(with_parameters(runner.model))
+        # composite modules outside the blocks (a bottleneck, a stem): the ordering step places them
+        self._between = outside(runner.model, (*self.units, *self.groups)) if units is None and not self._by_calls else []
         self.spans: dict[tuple[int, int], str] = {}
         self.options: tuple[str, ...] = ("none", "block")
         self.b1, self.b2 = 1, 4  # the two small batch sizes every search probes
@@ -251,7 +255,7 @@ class Searcher(ProbeSteps):
             return instead
 
     def _order_units(self, batch_size: int) -> None:
-        m = self.runner.measure(batch_size, units=(*self.units, *self.groups))
+        m = self.runner.measure(batch_size, units=(*self.units, *self.groups, *self._between))
         self.plain_ran = True  # the user's step ran as it is: whatever fails from here on is ckpt-tune's
         self.runs += 1
         mk = m.timeline.markers
@@ -272,6 +276,12 @@ class Searcher(ProbeSteps):
                 f"step's calls ({len(self.groups)} holding others)"
             )
         ok = [u for u in chain_of(list(self.units), self.groups, runs_once, lambda u: u in m.chained) if runs_once(u)]
+        if self._between and ok:
+            window = lambda u: (mk["f>" + u][0], mk["f<" + u][0], mk["b>" + u][0])  # noqa: E731
+            more = between(self._between, ok, runs_once, window, self.runner.model)
+            if more:
+                ok += more
+                self.notes.append(f"modules outside the repeated blocks, in the chain too: {', '.join(more)}")
         ok.sort(key=lambda u: mk["f>" + u][0])
         # backward must visit them in reverse forward order, each forward must end before the next starts
         chain: list[str] = []
