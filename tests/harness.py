@@ -48,10 +48,28 @@ def wrap_blocks(model, names):
         mod = model.get_submodule(name)
         inner = mod.forward
 
-        def fwd(*args, _inner=inner, **kwargs):
+        def fwd(*args, _inner=inner, _mod=mod, **kwargs):
             # containers copied at the call: a list the caller grows later (DenseNet) is recomputed as it was
             args, kwargs = torch.utils._pytree.tree_map(lambda x: x, (args, kwargs))
-            return cp.checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+            calls = []
+
+            def run(*a):
+                calls.append(None)
+                if len(calls) == 1:
+                    return _inner(*a, **kwargs)
+                # the recompute must not update BatchNorm's running statistics a second time: it updates
+                # copies (pytorch#96136), which are memory of the step like any other
+                held = [(m, k, b) for m in _mod.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)
+                        for k, b in m._buffers.items() if b is not None]
+                for m, k, b in held:
+                    m._buffers[k] = b.clone()
+                try:
+                    return _inner(*a, **kwargs)
+                finally:
+                    for m, k, b in held:
+                        m._buffers[k] = b
+
+            return cp.checkpoint(run, *args, use_reentrant=False)
 
         mod.forward = fwd
 
