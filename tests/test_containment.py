@@ -166,3 +166,31 @@ def test_diffusers_blocks_of_one_each_are_candidates_and_a_transformer_is_checkp
     # a Transformer2DModel holds one transformer block: checkpointed whole, projections and norm too
     assert {"down_blocks.0.attentions.0", "mid_block.attentions.0", "up_blocks.1.attentions.1"} <= set(blocks)
     assert not any(".transformer_blocks." in b for b in blocks)
+
+
+class _InPlaceHead(torch.nn.Module):
+    """Blocks, then a classifier that opens with Dropout(inplace=True), as torchvision's EfficientNet."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16)) for _ in range(3)
+        )
+        self.classifier = torch.nn.Sequential(torch.nn.Dropout(0.2, inplace=True), torch.nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.classifier(x * 2).square().mean()
+
+
+def test_a_module_that_changes_its_input_in_place_is_refused_before_it_runs() -> None:
+    from ckpt_tune.measure.runner import StepRunner, StepSettings
+    from ckpt_tune.tune.searcher import Searcher
+
+    torch.manual_seed(0)
+    with StepRunner(_InPlaceHead(), lambda b: torch.randn(b, 16), lambda m, x: m(x), StepSettings(device="cpu")) as runner:
+        s = Searcher(runner)
+        res = s.search(1 << 20, batch_size=4)
+    assert s.units == ("blocks.0", "blocks.1", "blocks.2")
+    assert any("change their input in place" in n and "classifier" in n for n in res.notes)

@@ -255,9 +255,21 @@ class Searcher(ProbeSteps):
             return instead
 
     def _order_units(self, batch_size: int) -> None:
-        m = self.runner.measure(batch_size, units=(*self.units, *self.groups, *self._between))
+        marked = (*self.units, *self.groups, *self._between)
+        with _inputs_changed(self.runner.model, marked) as changed:
+            m = self.runner.measure(batch_size, units=marked)
         self.plain_ran = True  # the user's step ran as it is: whatever fails from here on is ckpt-tune's
         self.runs += 1
+        if changed:
+            # a checkpoint keeps its input for the recompute: one changed in place inside the region
+            # fails backward (a classifier opening with Dropout(inplace=True)); refused before it runs
+            self.units = tuple(u for u in self.units if u not in changed)
+            self.groups = {g: v for g, v in self.groups.items() if g not in changed}
+            self._between = [u for u in self._between if u not in changed]
+            self.notes.append(
+                "not candidates, as they change their input in place (a checkpoint keeps it for the recompute): "
+                + ", ".join(sorted(changed, key=marked.index))
+            )
         mk = m.timeline.markers
 
         def runs_once(u: str) -> bool:
@@ -922,3 +934,36 @@ def _first_line(error: BaseException) -> str:
     if isinstance(error, CkptTuneError):
         text = error.message
     return f"{type(error).__name__}: {text.splitlines()[0][:160] if text else ''}".rstrip(": ")
+
+
+@contextlib.contextmanager
+def _inputs_changed(model: torch.nn.Module, names):
+    """Yields the set of `names` whose forward changed one of its tensor arguments in place (its
+    version counter moved between the call and the return), filled as the step runs."""
+    changed: set[str] = set()
+    before: dict[str, list] = {}
+
+    def pre(name):
+        def hook(mod, args, kwargs):
+            leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+            before[name] = [(t, t._version) for t in leaves if isinstance(t, torch.Tensor)]
+
+        return hook
+
+    def post(name):
+        def hook(mod, args, kwargs, out):
+            if any(t._version != v for t, v in before.pop(name, ())):
+                changed.add(name)
+
+        return hook
+
+    handles = []
+    for name in dict.fromkeys(names):
+        mod = model.get_submodule(name)
+        handles.append(mod.register_forward_pre_hook(pre(name), with_kwargs=True))
+        handles.append(mod.register_forward_hook(post(name), with_kwargs=True))
+    try:
+        yield changed
+    finally:
+        for h in handles:
+            h.remove()
