@@ -4,7 +4,7 @@
 1. profile: `ckpt_tune.profile` at batch 2 on the CPU equals the harness's peak of the same step, to the byte.
 2. search: the default search (`ckpt_tune.search`, as `ckpt-tune search --device cpu` runs it: segments on,
    every kind of candidate) under budget = static + 3 × (peak(2) − static), static being the parameters,
-   buffers, gradients and AdamW's two moments. It passes when it returns a plan whose verified peak is within
+   buffers, gradients and AdamW's two moments (at most peak(2): a parameter without a gradient has neither). It passes when it returns a plan whose verified peak is within
    the budget, whose peak as the harness measures it (the plan's entries wrapped by the harness's own
    checkpoint wrappers) at its batch is within the budget, and whose batch is at least the every-block batch:
    the largest batch at which the harness's step with every innermost block (`find_blocks`) checkpointed fits
@@ -62,24 +62,24 @@ CHECKS = ("build", "profile", "search", "plan", "every-block", "correctness")
 
 # The stratified subset (tests/test_sweep.py): fast representatives of every library and kind.
 SUBSET = (
-    # transformers causal LMs: dense, GQA, sliding window, parallel attention, MoE, latent attention, state space
+    # transformers causal LMs: dense, GQA, ALiBi, sliding window, MoE, latent attention
     "transformers:LlamaForCausalLM", "transformers:GPT2LMHeadModel", "transformers:Qwen2ForCausalLM",
     "transformers:MistralForCausalLM", "transformers:OPTForCausalLM", "transformers:GPTNeoXForCausalLM",
-    "transformers:PhiForCausalLM", "transformers:BloomForCausalLM", "transformers:FalconForCausalLM",
-    "transformers:Gemma2ForCausalLM", "transformers:MixtralForCausalLM", "transformers:Qwen2MoeForCausalLM",
-    "transformers:DeepseekV3ForCausalLM", "transformers:MambaForCausalLM",
+    "transformers:BloomForCausalLM", "transformers:Gemma2ForCausalLM", "transformers:MixtralForCausalLM",
+    "transformers:DeepseekV3ForCausalLM", "transformers:PhiForCausalLM", "transformers:FalconForCausalLM",
     # masked LMs, seq2seq, image classification, speech seq2seq
-    "transformers:BertForMaskedLM", "transformers:RobertaForMaskedLM", "transformers:ElectraForMaskedLM",
-    "transformers:AlbertForMaskedLM", "transformers:DebertaV2ForMaskedLM",
+    "transformers:BertForMaskedLM", "transformers:RobertaForMaskedLM", "transformers:AlbertForMaskedLM",
+    "transformers:DebertaV2ForMaskedLM", "transformers:ElectraForMaskedLM",
     "transformers:T5ForConditionalGeneration", "transformers:BartForConditionalGeneration",
+    "transformers:MT5ForConditionalGeneration",
     "transformers:ViTForImageClassification", "transformers:ResNetForImageClassification",
-    "transformers:WhisperForConditionalGeneration",
+    "transformers:ConvNextForImageClassification", "transformers:WhisperForConditionalGeneration",
     # torchvision: classification and segmentation
-    "torchvision:squeezenet1_1", "torchvision:mobilenet_v3_small", "torchvision:mnasnet0_5",
-    "torchvision:shufflenet_v2_x0_5", "torchvision:regnet_x_400mf", "torchvision:lraspp_mobilenet_v3_large",
+    "torchvision:squeezenet1_1", "torchvision:squeezenet1_0", "torchvision:mnasnet0_5", "torchvision:efficientnet_b0",
+    "torchvision:googlenet", "torchvision:shufflenet_v2_x0_5", "torchvision:lraspp_mobilenet_v3_large",
     # timm: one per family
-    "timm:test_efficientnet", "timm:lcnet_035", "timm:mobilenetv2_035", "timm:mnasnet_small", "timm:tinynet_e",
-    "timm:regnetx_002", "timm:ghostnet_050", "timm:convnext_zepto_rms",
+    "timm:test_efficientnet", "timm:lcnet_035", "timm:mobilenetv2_035", "timm:ese_vovnet19b_slim_dw",
+    "timm:cs3darknet_focus_s", "timm:fasternet_t0",
     # diffusers
     "diffusers:UNet2DModel", "diffusers:UNet2DConditionModel", "diffusers:DiTTransformer2DModel",
     "diffusers:AutoencoderKL",
@@ -208,16 +208,17 @@ def error_record(stage: str, exc: BaseException) -> dict[str, Any]:
         "where_ckpt_tune": ours,
         "where": anywhere,
         "raw_traceback": not isinstance(exc, CkptTuneError),
-        "traceback": "".join(traceback.format_exception(exc))[-4000:],
+        "traceback": "".join(traceback.format_exception(exc))[-2500:],
     }
 
 
 # message patterns -> a name for what went wrong (checked against the error and its cause)
 PATTERNS = (
+    (r"modified by an inplace operation", "in-place op on a saved tensor"),
     (r"backward through the graph a second time", "graph freed before a second backward"),
-    (r"Recomputed values for the following tensors have different metadata|CheckpointError", "recompute mismatch"),
+    (r"Recomputed values for the following tensors have different metadata|different number of tensors was saved",
+     "recompute differs from the forward"),
     (r"op polic", "op-policy timing"),
-    (r"must be called as a chain|chain", "segment chain"),
     (r"out of memory|can't allocate memory", "out of memory"),
 )
 
@@ -230,9 +231,9 @@ def _pattern(*texts: str | None) -> str | None:
 
 
 def _limitation(error: str) -> str:
-    """What a LimitationError says failed, in a few words (its exception type, where it names one)."""
-    inner = re.search(r"\b([A-Z]\w*(?:Error|Exception))\b", error)
-    return inner.group(1) if inner else first_line(error)[:60]
+    """What a LimitationError says failed, in a few words (the innermost exception type it names)."""
+    inner = re.findall(r"\b([A-Z]\w*(?:Error|Exception)):", error)
+    return inner[-1] if inner else first_line(error)[:60]
 
 
 def classify(fail: dict[str, Any], harness_ok: bool = True) -> str:
@@ -352,7 +353,8 @@ def run_arch(arch: sm.Arch, exact: bool = False, progress=None) -> dict[str, Any
 
     # 2. search
     stage("search")
-    static = row["static_bytes"]
+    # parameters that get no gradient (an unused tower) have no gradient or AdamW state: static is at most the peak
+    static = min(row["static_bytes"], peaks["plain"])
     budget = static + BUDGET_FACTOR * (peaks["plain"] - static)
     row["budget_bytes"] = budget
     plan = None
@@ -692,6 +694,8 @@ def main() -> None:
                          "else recorded as ≤ search's batch: one or two measurements fewer)")
     ap.add_argument("--list", action="store_true", help="print the architectures and exit")
     ap.add_argument("--render", action="store_true", help="write results/sweep.md again from results/sweep.json")
+    ap.add_argument("--update", action="store_true",
+                    help="run NAMES again and replace their rows in results/sweep.json (recorded in it), then --render")
     args = ap.parse_args()
     if args.render:
         data = json.loads((RESULTS / "sweep.json").read_text())
@@ -699,6 +703,9 @@ def main() -> None:
         return
     sm.quiet()
     archs = select(args.only, args.subset, args.limit, args.names)
+    if args.update:
+        update(archs, args)
+        return
     if args.list:
         print("\n".join(f"{a.key}\t{a.kind}\t{a.detail}" for a in archs))
         return
@@ -719,6 +726,22 @@ def main() -> None:
                          "timeout_s": args.timeout, "max_params": sm.MAX_PARAMS, "versions": versions()},
             "seconds": round(seconds, 1), "summary": summary(rows), "rows": rows}
     write_results("sweep", "Sweep: ckpt-tune on every architecture of transformers, torchvision, timm and diffusers", data, body)
+
+
+def update(archs: list[sm.Arch], args) -> None:
+    """Run `archs` again and put their rows in results/sweep.json in place of the old ones."""
+    from benchmarks.common import command, provenance
+
+    data = json.loads((RESULTS / "sweep.json").read_text())
+    new = run_many(archs, args.jobs, args.timeout, exact=args.exact, log=lambda s: print(s, flush=True))
+    by_key = {f"{r['library']}:{r['architecture']}": r for r in new}
+    data["rows"] = [by_key.pop(f"{r['library']}:{r['architecture']}", r) for r in data["rows"]]
+    prov = provenance()
+    data.setdefault("updates", []).append({
+        "command": command(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "commit": prov["short"], "clean": prov["clean"], "diff_sha256": prov["diff_sha256"],
+        "rows": [a.key for a in archs]})
+    rerender(data)
 
 
 def interleaved(archs: list[sm.Arch]) -> list[sm.Arch]:
@@ -751,6 +774,9 @@ def rerender(data: dict[str, Any]) -> None:
     if prov.get("end"):
         head.append(f"- the code changed during the run: at the end {prov['end'].get('short')} "
                     f"(sha256 of git diff HEAD + untracked: {prov['end'].get('diff_sha256')})")
+    for u in data.get("updates", []):
+        head.append(f"- rows run again on {u['date']} at {u['commit']}{'' if u['clean'] else ' (with uncommitted changes)'}: "
+                    f"`{u['command']}` ({len(u['rows'])} rows)")
     (RESULTS / "sweep.md").write_text("\n".join([*head, "", ""]) + render(rows, data.get("seconds")))
 
 

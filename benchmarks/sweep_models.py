@@ -29,6 +29,7 @@ built.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import re
@@ -236,8 +237,8 @@ def _hf_recipe(arch: Arch, variant: int) -> Recipe:
     config = tiny_config(cls.config_class, arch.kind, layers)
     describe = f"tiny config, {layers} layers"
 
-    def build() -> nn.Module:
-        return seeded(lambda: cls(config))
+    def build() -> nn.Module:  # a copy of the config each time: a model may write to its config
+        return seeded(lambda: cls(copy.deepcopy(config)))
 
     vocab = min(VOCAB, getattr(config, "vocab_size", None) or VOCAB)
     kind = arch.kind
