@@ -98,9 +98,14 @@ def with_parameters(model: nn.Module) -> list[str]:
 
 
 def outside(model: nn.Module, units: list[str] | tuple[str, ...]) -> list[str]:
-    """`with_parameters` modules that neither hold nor sit inside a unit: what may run between units
-    (a U-Net's bottleneck between its encoder and decoder lists, a stem before the stages)."""
-    return [n for n in with_parameters(model) if not any(n == u or _inside(n, u) or _inside(u, n) for u in units)]
+    """Composite `with_parameters` modules that neither hold nor sit inside a unit: what may run between
+    units (a U-Net's bottleneck between its encoder and decoder lists, a stem before the stages). Single
+    layers are left unmarked: a norm between two blocks is code between them, which keeps segments off
+    that link (the ordering step's `chained`)."""
+    return [
+        n for n in with_parameters(model)
+        if list(model.get_submodule(n).children()) and not any(n == u or _inside(n, u) or _inside(u, n) for u in units)
+    ]
 
 
 def between(
