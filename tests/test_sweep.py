@@ -27,7 +27,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore"),
 ]
 
-TIMEOUT = 150  # seconds per architecture (under 15 when the machine is otherwise idle)
+TIMEOUT = 150  # seconds per architecture (each takes 5-25 CPU seconds)
 
 
 # Subset members that fail today, with their failure class (README, Known limitations). The harness's own
