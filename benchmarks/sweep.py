@@ -784,8 +784,9 @@ def rerender(data: dict[str, Any]) -> None:
         f"- torch {info['torch']}, Python {info['python']}, {info['threads']} torch threads, commit {info['git']}",
     ]
     if prov.get("end"):
-        head.append(f"- the code changed during the run: at the end {prov['end'].get('short')} "
-                    f"(sha256 of git diff HEAD + untracked: {prov['end'].get('diff_sha256')})")
+        from benchmarks.common import _describe
+
+        head.append(f"- the code changed during the run: at the end {_describe(prov['end'])}")
     for u in data.get("updates", []):
         head.append(f"- rows run again on {u['date']} at {u['commit']}{'' if u['clean'] else ' (with uncommitted changes)'}: "
                     f"`{u['command']}` ({len(u['rows'])} rows)")
