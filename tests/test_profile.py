@@ -21,6 +21,17 @@ def test_peak_matches_allocator_ground_truth(name):
     assert prof.peak_bytes == truth, f"{name}: profiled {prof.peak_bytes} vs allocator {truth}"
 
 
+@pytest.mark.parametrize("batch", [2, 8])
+def test_a_head_the_loss_does_not_use_is_freed_after_the_forward(batch):
+    """GoogLeNet's pattern: the saved-tensor attribution must not keep a graph alive that backward never
+    runs (a node that saves its own output would hold its grad_fn in a reference cycle)."""
+    from tests.assets.targets import others
+
+    truth = measured_peak(others.aux_heads, others.aux_heads_batch, others.aux_heads_loss, batch)
+    prof = profile_model(others.aux_heads(), others.aux_heads_batch, others.aux_heads_loss, batch, scaling=False)
+    assert prof.peak_bytes == truth
+
+
 @pytest.mark.parametrize("name", ["mlp_blocks", "cnn_bn", "vit_dropout", "dict_batch"])
 def test_modules_and_unattributed_sum_to_activation_total(name):
     fx = ZOO[name]

@@ -100,7 +100,10 @@ class Instrument:
             ptr = fake.fake_storage_key(t)
             if ptr not in self._param_ptrs and ptr not in self.saved:
                 self.saved[ptr] = (t.untyped_storage().nbytes(), self.stack[-1] if self.stack else None)
-        return t
+        # detached: a node that saves its own output would hold that output's grad_fn, itself, in a
+        # reference cycle; a graph the loss never reaches (GoogLeNet's aux heads) then outlives the step
+        # until the collector runs, which the plain step's graph does not (docs/design.md §4)
+        return t.detach()
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if p.grad is not None:

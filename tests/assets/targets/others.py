@@ -4,6 +4,8 @@
   which its block (an `nn.ModuleDict`) appends to after the call; stem and first dense block frozen.
 - `albert`: Hugging Face ALBERT, one encoder layer whose weights are shared, called six times.
 - `gpt2`: Hugging Face GPT-2 from its config class with the library's defaults (`use_cache` on, dropout on).
+- `aux_heads`: GoogLeNet's pattern, heads whose outputs the loss does not use (their graph is dropped
+  after the forward, never backwarded).
 - `late_batch`: a model whose make_batch fails from batch 3 on (the user's error, at a batch the search
   reaches after its first step).
 """
@@ -115,3 +117,30 @@ def late_batch_make_batch(batch_size: int) -> torch.Tensor:
 
 
 make_batch = late_batch_make_batch
+
+
+class AuxHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 10)
+        self.aux = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.trunk(x).relu()
+        return self.head(h), self.aux(h)
+
+
+def aux_heads() -> nn.Module:
+    torch.manual_seed(0)
+    return AuxHeads()
+
+
+def aux_heads_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(batch_size, 64, generator=g), torch.randint(0, 10, (batch_size,), generator=g)
+
+
+def aux_heads_loss(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x)[0], y)
