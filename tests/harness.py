@@ -20,7 +20,7 @@ MARK = "harness::measured"
 
 def wrap_blocks(model, names):
     """A plain non-reentrant checkpoint wrapper, independent of ckpt_tune.apply; an entry that is a
-    tuple of names (a plan's segment) runs those blocks as one checkpointed `Segment`; an entry that
+    tuple of names (a plan's segment) runs those blocks as one checkpointed `RegionSegment`; an entry that
     is a dict `{"module": name, "policy": p}` (a plan's op-level entry in its data form) or its short
     form `"name@p"` checkpoints that module selectively (`policy_context`). A ckpt-tune plan entry is
     read for its data only: its `to_data()` form where it has one, else the names in its `modules`.
@@ -43,7 +43,7 @@ def wrap_blocks(model, names):
         if not isinstance(name, str) and len(name) == 1:
             name = name[0]
         if not isinstance(name, str):
-            Segment([model.get_submodule(n) for n in name], checkpointed=True).install()
+            RegionSegment([model.get_submodule(n) for n in name]).install()
             continue
         mod = model.get_submodule(name)
         inner = mod.forward
@@ -154,6 +154,150 @@ class Segment:
         self.blocks[0].forward = self.__call__
         for b in self.blocks[1:]:
             b.forward = self.passthrough
+
+
+def _running_stat_copies(module):
+    """Put copies of every BatchNorm running statistic inside `module` in place; returns what undoes it.
+    A recompute must not update them a second time (pytorch#96136); the copies are memory of the step."""
+    held = [(m, k, b) for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)
+            for k, b in m._buffers.items() if b is not None]
+    for m, k, b in held:
+        m._buffers[k] = b.clone()
+
+    def undo():
+        for m, k, b in held:
+            m._buffers[k] = b
+
+    return undo
+
+
+class RegionSegment:
+    """Blocks their parent calls one after another, checkpointed as ONE region from the first block's call
+    to the last block's return (public API only: `torch.autograd.graph.saved_tensors_hooks`; independent of
+    ckpt_tune/plan/segment.py).
+
+    Whatever the parent does between the blocks runs as it would: it may hand a block any tensor, use a
+    middle block's output itself (torchvision's IntermediateLayerGetter, Hugging Face's position bias) or
+    return tuples. What the blocks' forwards save for backward is not kept: each saved tensor becomes a
+    handle, and the first handle unpacked in backward replays the blocks' forwards, from the RNG state the
+    region opened with, with the arguments they had, an argument that was an earlier block's output replaced
+    by its replayed value. What the parent's code between the blocks saves is kept as it is. Arguments are
+    held (containers copied at the call); BatchNorm's running statistics are updated on copies in the
+    replay."""
+
+    def __init__(self, blocks) -> None:
+        self.blocks = list(blocks)
+        self.forwards = [b.forward for b in self.blocks]  # before rewiring
+        self.frame = None  # the region of the forward now running
+
+    def install(self) -> None:
+        for pos, block in enumerate(self.blocks):
+            block.forward = lambda *a, _pos=pos, **k: self._call(_pos, a, k)
+
+    def _call(self, pos: int, args, kwargs):
+        fwd = self.forwards[pos]
+        if pos == 0:
+            in_backward = torch._C._current_autograd_node() is not None
+            grad = torch.is_grad_enabled() and self.blocks[0].training and not in_backward
+            self.frame = _Region(self.blocks, self.forwards) if grad else None
+        frame = self.frame
+        if frame is None or len(frame.calls) != pos:
+            self.frame = None
+            return fwd(*args, **kwargs)
+        out = frame.call(pos, args, kwargs)
+        if pos == len(self.blocks) - 1:
+            self.frame = None
+        return out
+
+
+class _Region:
+    """One forward's region of a `RegionSegment`."""
+
+    def __init__(self, blocks, forwards) -> None:
+        self.blocks, self.forwards = blocks, forwards
+        self.rng = torch.get_rng_state()  # at the region's start
+        self.calls: list = []  # (args, kwargs, RNG state if code between the blocks moved it)
+        self.outputs: dict[int, tuple] = {}  # id(tensor) -> (weak reference, block, leaf)
+        self.rng_after = None
+        self.packed = 0
+        self.replayed: dict[int, torch.Tensor] | None = None
+
+    def call(self, pos: int, args, kwargs):
+        def spec(x):
+            if isinstance(x, torch.Tensor):
+                hit = self.outputs.get(id(x))
+                if hit is not None and hit[0]() is x:
+                    return _Leaf(hit[1], hit[2])
+            return x
+
+        now = torch.get_rng_state()
+        moved = pos > 0 and not torch.equal(now, self.rng_after)
+        self.calls.append((*torch.utils._pytree.tree_map(spec, (args, kwargs)), now if moved else None))
+
+        def pack(t):
+            self.packed += 1
+            return self, self.packed - 1
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack_region):
+            out = self.forwards[pos](*args, **kwargs)
+        for leaf, t in enumerate(torch.utils._pytree.tree_flatten(out)[0]):
+            if isinstance(t, torch.Tensor):
+                self.outputs[id(t)] = (weakref.ref(t), pos, leaf)
+        self.rng_after = torch.get_rng_state()
+        if pos == len(self.forwards) - 1:
+            self.outputs, self.rng_after = {}, None
+        return out
+
+    def replay(self) -> None:
+        saved: list[torch.Tensor] = []
+        outs: list[list] = []
+        rng_now = torch.get_rng_state()
+        torch.set_rng_state(self.rng)
+
+        def keep(t):
+            saved.append(t.detach())
+            if len(saved) == self.packed:  # all there: stop, as torch.utils.checkpoint's early stop does
+                raise _Replayed
+
+        try:
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(keep, lambda _: None):
+                for block, fwd, (args, kwargs, rng) in zip(self.blocks, self.forwards, self.calls):
+                    if rng is not None:
+                        torch.set_rng_state(rng)
+                    args, kwargs = torch.utils._pytree.tree_map(
+                        lambda x: outs[x.block][x.leaf] if isinstance(x, _Leaf) else x, (args, kwargs))
+                    undo = _running_stat_copies(block)
+                    try:
+                        outs.append(torch.utils._pytree.tree_flatten(fwd(*args, **kwargs))[0])
+                    finally:
+                        undo()
+        except _Replayed:
+            pass
+        finally:
+            torch.set_rng_state(rng_now)
+        if len(saved) != self.packed:
+            raise RuntimeError(f"region replay saved {len(saved)} tensors, the forward {self.packed}")
+        self.replayed = dict(enumerate(saved))
+
+
+class _Replayed(Exception):
+    """Raised inside a replay once every saved tensor is there again."""
+
+
+class _Leaf:
+    """Leaf `leaf` of the output of the region's block `block`, in a recorded call."""
+
+    __slots__ = ("block", "leaf")
+
+    def __init__(self, block: int, leaf: int) -> None:
+        self.block, self.leaf = block, leaf
+
+
+def _unpack_region(handle) -> torch.Tensor:
+    region, index = handle
+    if region.replayed is None:
+        region.replay()
+    return region.replayed.pop(index)
 
 
 def make_optimizer(params, name):
