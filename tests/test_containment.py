@@ -86,6 +86,19 @@ def test_a_stock_hugging_face_decoder_with_its_cache_on_plans_with_default_optio
     _same_step(others.gpt2, others.tokens_batch(2), plan.checkpoint)
 
 
+def test_blocks_that_each_run_twice_are_planned_through_the_modules_that_call_them() -> None:
+    budget = 7 << 19  # 3.5 MiB: the step at batch 400 is 4.4 MiB without checkpointing
+    out = ckpt_tune.search(f"{OTHERS}:looped", vram=str(budget), batch_size=400, settings=Settings(device="cpu", batch_fn=f"{OTHERS}:looped_batch"))
+    assert any("run more than once per step" in n for n in out.result.notes), out.result.notes
+    assert "core" in out.result.units  # its layers run twice: the module that loops over them is the unit
+    plan = out.plan
+    assert "core" in [e.modules[0] for e in plan.checkpoint], plan.checkpoint
+    assert plan.verified_peak_bytes <= budget
+    real = measured_peak(others.looped, others.looped_batch, _loss, plan.batch_size, checkpoint=plan.checkpoint)
+    assert real == plan.verified_peak_bytes
+    _same_step(others.looped, others.looped_batch(2), plan.checkpoint)
+
+
 def test_a_refinement_that_raises_is_dropped_with_a_note_and_the_search_goes_on(monkeypatch) -> None:
     import ckpt_tune.tune.searcher as searcher_module
 

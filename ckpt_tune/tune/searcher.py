@@ -162,6 +162,7 @@ class Searcher(ProbeSteps):
         self.groups: dict[str, list[str]] = {} if units is not None else find_groups(runner.model)
         # no repeated blocks: every module with parameters is marked, and the ordering step's calls
         # choose the chain and its groups (candidates.call_chain)
+        self._found = units is None  # the chain is ckpt-tune's to choose (not given by the caller)
         self._by_calls = units is None and not self.units
         self.plain_ran = False
         self._at: int | None = None  # the batch last probed or verified (a failure's batch, `_plain_again`)
@@ -301,6 +302,16 @@ class Searcher(ProbeSteps):
             if chain and not follows(chain[-1], u):
                 continue
             chain.append(u)
+        if not chain and not self._by_calls and self._found:
+            # the repeated blocks each run more than once per step (a recurrent or looped model): the
+            # modules that call them are the candidates, as where there are no blocks at all
+            self.notes.append(
+                f"the repeated blocks ({self.units[0] if self.units else 'none'} and others) run more than "
+                "once per step: the chain is found from the step's calls"
+            )
+            self._by_calls, self.groups, self._between = True, {}, []
+            self.units = tuple(with_parameters(self.runner.model))
+            return self._order_units(batch_size)
         self.units = tuple(chain)
         self.spans = group_spans(self.units, {g: v for g, v in self.groups.items() if g not in self.units})
         if "blocks" not in self.candidates:  # groups are whole modules checkpointed: the "blocks" kind

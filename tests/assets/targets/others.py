@@ -6,6 +6,7 @@
 - `gpt2`: Hugging Face GPT-2 from its config class with the library's defaults (`use_cache` on, dropout on).
 - `aux_heads`: GoogLeNet's pattern, heads whose outputs the loss does not use (their graph is dropped
   after the forward, never backwarded).
+- `looped`: a recurrent-depth model (HRM's pattern): its repeated blocks each run twice per step.
 - `late_batch`: a model whose make_batch fails from batch 3 on (the user's error, at a batch the search
   reaches after its first step).
 """
@@ -144,3 +145,38 @@ def aux_heads_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
 def aux_heads_loss(model: nn.Module, batch) -> torch.Tensor:
     x, y = batch
     return F.cross_entropy(model(x)[0], y)
+
+
+class Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)) for _ in range(2))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):
+            for layer in self.layers:
+                h = h + layer(h)
+        return h
+
+
+class Looped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(32, 64)
+        self.core = Recurrent()
+        self.mix = nn.Linear(64, 64)
+        self.refine = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+        self.head = nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.core(self.embed(x))
+        return self.head(h + self.refine(self.mix(h).relu())).square().mean()
+
+
+def looped() -> nn.Module:
+    torch.manual_seed(0)
+    return Looped()
+
+
+def looped_batch(batch_size: int) -> tuple[torch.Tensor]:
+    return (torch.randn(batch_size, 32, generator=torch.Generator().manual_seed(0)),)
