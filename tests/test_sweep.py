@@ -30,29 +30,8 @@ pytestmark = [
 TIMEOUT = 150  # seconds per architecture (each takes 5-25 CPU seconds)
 
 
-# Subset members that fail today, with their failure class (README, Known limitations). The harness's own
-# segment wrapper (tests/harness.py `Segment`) runs chains `x = block(x, ...)` only: where the plan has a
-# segment over blocks that return more than their hidden state (T5's position bias, BERT's tuples, diffusers'
-# ResNet blocks with their time embedding) the ground truth cannot be measured; whether the plan has a
-# segment depends on the measured step times, so that mark is not strict. AutoencoderKL's profile is
-# 4,104 B over the harness's, every run: strict, so a fix shows as XPASS.
-HARNESS_SEGMENT = "harness cannot run the plan's segment (blocks that are not a chain)"
-KNOWN = {
-    "transformers:BertForMaskedLM": (HARNESS_SEGMENT, False),
-    "transformers:ElectraForMaskedLM": (HARNESS_SEGMENT, False),
-    "transformers:DebertaV2ForMaskedLM": (HARNESS_SEGMENT, False),
-    "transformers:T5ForConditionalGeneration": (HARNESS_SEGMENT, False),
-    "diffusers:UNet2DModel": (HARNESS_SEGMENT, False),
-    "diffusers:UNet2DConditionModel": (HARNESS_SEGMENT, False),
-    "diffusers:AutoencoderKL": ("profile mismatch", True),
-}
-
-
 def _param(key: str):
     marks = [pytest.mark.hf] if key.startswith("transformers:") else []
-    if key in KNOWN:
-        reason, strict = KNOWN[key]
-        marks.append(pytest.mark.xfail(reason=reason, strict=strict))
     return pytest.param(key, id=key, marks=marks)
 
 

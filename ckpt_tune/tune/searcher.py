@@ -26,7 +26,7 @@ from ckpt_tune.measure.forked import fork_map
 from ckpt_tune.measure.op_costs import policy_ratios, recompute_shares
 from ckpt_tune.measure.runner import Measurement, StepRunner, Timing
 from ckpt_tune.measure.tensors import unique_bytes
-from ckpt_tune.plan.entry import POLICIES, Entry, member_names, to_data
+from ckpt_tune.plan.entry import POLICIES, Entry, entries_of, member_names, to_data
 from ckpt_tune.plan.file import FULLY_SHARDED
 from ckpt_tune.plan.segment import available as segment_available
 from ckpt_tune.tune.candidates import (
@@ -106,6 +106,9 @@ class FrontierRow:
         return {**asdict(self), "plan": to_data(self.plan)}
 
 
+FLOOR_STEPS_UP = 4  # batches above the every-block floor's estimate tried one by one
+
+
 @dataclass
 class SearchResult:
     batch_size: int
@@ -162,6 +165,7 @@ class Searcher(ProbeSteps):
         self.groups: dict[str, list[str]] = {} if units is not None else find_groups(runner.model)
         # no repeated blocks: every module with parameters is marked, and the ordering step's calls
         # choose the chain and its groups (candidates.call_chain)
+        self._refused: set[str] = set()  # modules refused as candidates (they change their input in place)
         self._found = units is None  # the chain is ckpt-tune's to choose (not given by the caller)
         self._by_calls = units is None and not self.units
         self.plain_ran = False
@@ -261,6 +265,7 @@ class Searcher(ProbeSteps):
             m = self.runner.measure(batch_size, units=marked)
         self.plain_ran = True  # the user's step ran as it is: whatever fails from here on is ckpt-tune's
         self.runs += 1
+        self._refused |= set(changed)
         if changed:
             # a checkpoint keeps its input for the recompute: one changed in place inside the region
             # fails backward (a classifier opening with Dropout(inplace=True)); refused before it runs
@@ -707,7 +712,10 @@ class Searcher(ProbeSteps):
         """The largest batch that fits `budget` (or `batch_size`) and its cheapest verified plan. A
         failure after the user's plain step ran is ckpt-tune's (docs/design.md §8): LimitationError."""
         try:
-            return self._search(budget, batch_size, b1, b2)
+            res = self._search(budget, batch_size, b1, b2)
+            if batch_size is None and self.world_size == 1 and self.accum_steps == 1 and not self.runner.fake:
+                res = self._refinement("the every-block floor", "the plan", lambda: self._floor(res, budget), res)
+            return res
         except (torch.OutOfMemoryError, MemoryError, KeyboardInterrupt):
             raise
         except CkptTuneError as e:
@@ -720,6 +728,66 @@ class Searcher(ProbeSteps):
                 raise
             self._plain_again()
             raise self._limitation(e) from e
+
+    def _floor(self, res: SearchResult, budget: int) -> SearchResult:
+        """The plan is never below what checkpointing every innermost block reaches (docs/design.md §4):
+        the "checkpoint every X" a user would write. Where the chain's units are not those blocks (a
+        group taken whole because its blocks are not a chain, a module that loops over its blocks), or
+        the planner's estimate fell short, that configuration is run at the next batch; when it fits, it
+        is the answer at the largest batch its measured peaks reach, verified."""
+        leaves = tuple(n for n in find_blocks(self.runner.model) if n not in self._refused)
+        if not leaves:
+            return res
+        b = res.batch_size
+        self._at = b + 1
+        above = self.runner.measure(b + 1, checkpoint=leaves).peak_bytes
+        self.runs += 1
+        if above > budget:
+            return res
+        here = self.runner.measure(b, checkpoint=leaves).peak_bytes
+        self.runs += 1
+        per = max(above - here, 1)
+        best, peak = b + 1, above
+        guess = b + 1 + (budget - above) // per
+        while guess > best:
+            self._at = guess
+            got = self.runner.measure(guess, checkpoint=leaves).peak_bytes
+            self.runs += 1
+            if got <= budget:
+                best, peak = guess, got
+                break
+            guess -= max(1, -(-(got - budget) // per))
+        for _ in range(FLOOR_STEPS_UP):  # the linear estimate is from two runs: one more batch may fit
+            self._at = best + 1
+            got = self.runner.measure(best + 1, checkpoint=leaves).peak_bytes
+            self.runs += 1
+            if got > budget:
+                break
+            best, peak = best + 1, got
+        timing = self.runner.time_step(best)
+        recompute = sum(timing.forward_ms.get(n, 0.0) for n in leaves) / max(timing.step_ms, 1e-9)
+        out = replace(
+            res,
+            batch_size=best,
+            checkpoint=entries_of(leaves),
+            predicted_peak=above + (best - b - 1) * per,  # linear in the batch from the two runs
+            verified_peak=peak,
+            recompute_fraction=round(recompute, 4),
+            step_ms=timing.step_ms,
+            units=leaves,
+            baselines={},
+            notes=[*res.notes, f"checkpointing every block ({len(leaves)}: {leaves[0]}, …) reaches batch {best}, the "
+                   f"chain's plan batch {b}: the answer is every block, verified at {format_bytes(peak)}"],
+        )
+        t = self.terms(best)
+        costs, step = self.costs(best), self.step_ms(best)
+        label, choice = "no checkpointing", (0,) * len(self.units)
+        cost = sum(c[x] for c, x in zip(costs, choice, strict=False))
+        plain = t.measured.get(choice, predict(t, choice))
+        out.baselines[label] = FrontierRow(best, t.names(choice), plain, round(cost / step, 4), plain <= budget)
+        out.baselines["every block"] = FrontierRow(best, out.checkpoint, peak, out.recompute_fraction, True)
+        out.probes = self.runs
+        return out
 
     def _plain_again(self) -> None:
         """After a failure: the user's plain step at the batch it happened at, with nothing of ckpt-tune's
