@@ -57,17 +57,11 @@ def wrap_blocks(model, names):
                 calls.append(None)
                 if len(calls) == 1:
                     return _inner(*a, **kwargs)
-                # the recompute must not update BatchNorm's running statistics a second time: it updates
-                # copies (pytorch#96136), which are memory of the step like any other
-                held = [(m, k, b) for m in _mod.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)
-                        for k, b in m._buffers.items() if b is not None]
-                for m, k, b in held:
-                    m._buffers[k] = b.clone()
+                undo = _running_stat_copies(_mod)
                 try:
                     return _inner(*a, **kwargs)
                 finally:
-                    for m, k, b in held:
-                        m._buffers[k] = b
+                    undo()
 
             return cp.checkpoint(run, *args, use_reentrant=False)
 
