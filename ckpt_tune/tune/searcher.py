@@ -259,7 +259,7 @@ class Searcher(ProbeSteps):
             self.notes.append(f"{what} dropped for {where}: {_first_line(e)}")
             return instead
 
-    def _order_units(self, batch_size: int) -> None:
+    def _order_units(self, batch_size: int, why: str = "no repeated blocks") -> None:
         marked = (*self.units, *self.groups, *self._between)
         with _inputs_changed(self.runner.model, marked) as changed:
             m = self.runner.measure(batch_size, units=marked)
@@ -290,7 +290,7 @@ class Searcher(ProbeSteps):
                 marked, lambda u: len(mk.get("f>" + u, [])), runs_once, lambda u: mk["f>" + u][0], follows
             )
             self.notes.append(
-                f"no repeated blocks: the chain is {len(self.units)} modules that run once, found in the "
+                f"{why}: the chain is {len(self.units)} modules that run once, found in the "
                 f"step's calls ({len(self.groups)} holding others)"
             )
         ok = [u for u in chain_of(list(self.units), self.groups, runs_once, lambda u: u in m.chained) if runs_once(u)]
@@ -310,13 +310,10 @@ class Searcher(ProbeSteps):
         if not chain and not self._by_calls and self._found:
             # the repeated blocks each run more than once per step (a recurrent or looped model): the
             # modules that call them are the candidates, as where there are no blocks at all
-            self.notes.append(
-                f"the repeated blocks ({self.units[0] if self.units else 'none'} and others) run more than "
-                "once per step: the chain is found from the step's calls"
-            )
+            why = f"the repeated blocks ({self.units[0] if self.units else 'none'} and others) run more than once per step"
             self._by_calls, self.groups, self._between = True, {}, []
             self.units = tuple(with_parameters(self.runner.model))
-            return self._order_units(batch_size)
+            return self._order_units(batch_size, why)
         self.units = tuple(chain)
         self.spans = group_spans(self.units, {g: v for g, v in self.groups.items() if g not in self.units})
         if "blocks" not in self.candidates:  # groups are whole modules checkpointed: the "blocks" kind
