@@ -63,7 +63,10 @@ def test_a_shared_layer_called_six_times_is_planned_through_the_module_that_call
     out = ckpt_tune.search(f"{OTHERS}:albert", vram=str(budget), settings=Settings(device="cpu", batch_fn=f"{OTHERS}:tokens_batch"))
     assert "albert.encoder" in out.result.units  # the shared layer runs six times: its caller is the unit
     assert any("no repeated blocks" in n for n in out.result.notes)
+    # ... and the shared layer is a candidate of its own, checkpointed at each of its six calls
+    assert any("albert.encoder.albert_layer_groups.0 (6 calls)" in n for n in out.result.notes), out.result.notes
     plan = out.plan
+    assert "albert.encoder.albert_layer_groups.0" in [e.modules[0] for e in plan.checkpoint], plan.checkpoint
     assert plan.verified_peak_bytes <= budget
     assert plan.batch_size >= out.result.baselines["every block"].batch_size
     real = measured_peak(others.albert, others.tokens_batch, _loss, plan.batch_size, checkpoint=plan.checkpoint)
@@ -92,7 +95,10 @@ def test_blocks_that_each_run_twice_are_planned_through_the_modules_that_call_th
     assert any("run more than once per step" in n for n in out.result.notes), out.result.notes
     assert "core" in out.result.units  # its layers run twice: the module that loops over them is the unit
     plan = out.plan
-    assert "core" in [e.modules[0] for e in plan.checkpoint], plan.checkpoint
+    # the layers are candidates of their own, each checkpointed at both its calls: below checkpointing `core`
+    assert [e.modules[0] for e in plan.checkpoint] == ["core.layers.0", "core.layers.1"], plan.checkpoint
+    whole = measured_peak(others.looped, others.looped_batch, _loss, plan.batch_size, checkpoint=["core"])
+    assert plan.verified_peak_bytes < whole
     assert plan.verified_peak_bytes <= budget
     real = measured_peak(others.looped, others.looped_batch, _loss, plan.batch_size, checkpoint=plan.checkpoint)
     assert real == plan.verified_peak_bytes

@@ -164,6 +164,31 @@ def call_chain(
     return expand(""), groups
 
 
+def repeated_inside(
+    model: nn.Module, units: tuple[str, ...], names: list[str], calls: Callable[[str], list[float]],
+    window: Callable[[str], tuple[float, float]], with_backward: Callable[[str], bool],
+) -> dict[str, str]:
+    """Each unit of `units` that holds modules run more than once per step (a shared layer called in a
+    loop, like ALBERT's encoder layer) -> its repeat option: the relative names of the outermost such
+    modules of `names`, joined by `+`. Checkpointing them is what a user writes in the loop: every call
+    keeps its input only and is recomputed on its own in backward. Only composite modules with a
+    backward count, whose every call starts within the unit's forward (`window(unit)`: its start and
+    end; `calls(name)`: the start of each forward call); a module the unit shares with code outside
+    it is left out, as checkpointing it would change other units too."""
+    found: dict[str, str] = {}
+    for u in units:
+        t0, t1 = window(u)
+        inner = [
+            n for n in names
+            if _inside(n, u) and len(calls(n)) > 1 and with_backward(n) and list(model.get_submodule(n).children())
+            and all(t0 <= t <= t1 for t in calls(n))
+        ]
+        outer = [n for n in inner if not any(_inside(n, o) for o in inner)]
+        if outer:
+            found[u] = "+".join(n[len(u) + 1 :] for n in outer)
+    return found
+
+
 def find_groups(model: nn.Module) -> dict[str, list[str]]:
     """Each block that holds blocks -> its leaves, in registration order, outermost groups first."""
     every = _blocks(model)

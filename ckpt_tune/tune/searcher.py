@@ -39,6 +39,7 @@ from ckpt_tune.tune.candidates import (
     group_spans,
     has_sub_option,
     outside,
+    repeated_inside,
     with_parameters,
 )
 from ckpt_tune.tune.memory_model import (
@@ -176,6 +177,7 @@ class Searcher(ProbeSteps):
         self._between = outside(runner.model, (*self.units, *self.groups)) if units is None and not self._by_calls else []
         self.spans: dict[tuple[int, int], str] = {}
         self.options: tuple[str, ...] = ("none", "block")
+        self._repeats: dict[str, str] = {}  # unit -> its repeat option (candidates.repeated_inside)
         self.b1, self.b2 = 1, 4  # the two small batch sizes every search probes
         self.notes: list[str] = []
         if self.shard in FULLY_SHARDED and self.use_segments:
@@ -245,6 +247,8 @@ class Searcher(ProbeSteps):
     def _set_options(self, batch_size: int) -> None:
         """The options of every block: stored, checkpointed whole, its sub-modules, the useful op policies."""
         subs = find_sub_options(self.runner.model, self.units) if "submodules" in self.candidates else []
+        # modules run more than once inside a unit: checkpointed at each call (a shared layer's loop)
+        subs += [o for o in dict.fromkeys(self._repeats.values()) if o not in subs]
         policies = self._refinement("op policies", "every block", lambda: self._useful_policies(batch_size), []) if "ops" in self.candidates else []
         self.options = ("none", "block", *subs, *(policy_option(p) for p in policies))
 
@@ -315,6 +319,18 @@ class Searcher(ProbeSteps):
             self.units = tuple(with_parameters(self.runner.model))
             return self._order_units(batch_size, why)
         self.units = tuple(chain)
+        if self._by_calls and "submodules" in self.candidates:
+            self._repeats = repeated_inside(
+                self.runner.model, self.units, [n for n in marked if n not in self._refused], lambda n: mk.get("f>" + n, []),
+                lambda u: (mk["f>" + u][0], mk["f<" + u][0]), lambda n: bool(mk.get("b>" + n)),
+            )
+            if self._repeats:
+                self.notes.append(
+                    "modules that run more than once per step, offered checkpointed at each call: " + ", ".join(
+                        f"{u}.{sub} ({len(mk['f>' + f'{u}.{sub}'])} calls)"
+                        for u, opt in self._repeats.items() for sub in opt.split("+")
+                    )
+                )
         self.spans = group_spans(self.units, {g: v for g, v in self.groups.items() if g not in self.units})
         if "blocks" not in self.candidates:  # groups are whole modules checkpointed: the "blocks" kind
             self.spans = {}
@@ -384,7 +400,10 @@ class Searcher(ProbeSteps):
 
     def _has(self, i: int, option: int) -> bool:
         name = self.options[option]
-        return policy_of(name) is not None or has_sub_option(self.runner.model, self.units[i], name)
+        return (
+            policy_of(name) is not None or self._repeats.get(self.units[i]) == name
+            or has_sub_option(self.runner.model, self.units[i], name)
+        )
 
     def _drop_option(self, name: str, error: BaseException) -> None:
         """A finer option whose probe step failed (an op policy that a block's in-place ops defeat)
