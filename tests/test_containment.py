@@ -105,6 +105,20 @@ def test_blocks_that_each_run_twice_are_planned_through_the_modules_that_call_th
     _same_step(others.looped, others.looped_batch(2), plan.checkpoint)
 
 
+def test_a_layer_the_model_itself_loops_over_is_checkpointed_at_each_call() -> None:
+    # no module runs once around the loop: the chain is empty, and the floor checkpoints the layer
+    budget = 5 << 20
+    out = ckpt_tune.search(f"{OTHERS}:shared_loop", vram=str(budget), settings=Settings(device="cpu", batch_fn=f"{OTHERS}:looped_batch"))
+    plan = out.plan
+    assert [e.modules[0] for e in plan.checkpoint] == ["layer"], plan.checkpoint
+    assert plan.verified_peak_bytes <= budget
+    real = measured_peak(others.shared_loop, others.looped_batch, _loss, plan.batch_size, checkpoint=plan.checkpoint)
+    assert real == plan.verified_peak_bytes
+    plain = measured_peak(others.shared_loop, others.looped_batch, _loss, plan.batch_size)
+    assert plain > budget  # checkpointing the layer is what reaches this batch
+    _same_step(others.shared_loop, others.looped_batch(2), plan.checkpoint)
+
+
 def test_a_refinement_that_raises_is_dropped_with_a_note_and_the_search_goes_on(monkeypatch) -> None:
     import ckpt_tune.tune.searcher as searcher_module
 

@@ -174,18 +174,18 @@ def repeated_inside(
     keeps its input only and is recomputed on its own in backward. Only composite modules with a
     backward count, whose every call starts within the unit's forward (`window(unit)`: its start and
     end; `calls(name)`: the start of each forward call); a module the unit shares with code outside
-    it is left out, as checkpointing it would change other units too."""
+    it is left out, as checkpointing it would change other units too. The unit "" is the whole model."""
     found: dict[str, str] = {}
     for u in units:
         t0, t1 = window(u)
         inner = [
             n for n in names
-            if _inside(n, u) and len(calls(n)) > 1 and with_backward(n) and list(model.get_submodule(n).children())
+            if (_inside(n, u) or not u) and len(calls(n)) > 1 and with_backward(n) and list(model.get_submodule(n).children())
             and all(t0 <= t <= t1 for t in calls(n))
         ]
         outer = [n for n in inner if not any(_inside(n, o) for o in inner)]
         if outer:
-            found[u] = "+".join(n[len(u) + 1 :] for n in outer)
+            found[u] = "+".join(n[len(u) + 1 :] if u else n for n in outer)
     return found
 
 

@@ -306,6 +306,9 @@ def cut_run(live_at, max_between, markers: dict[str, list[int]], units: tuple[st
     t_iter, t_bwd_end, t_end = markers["iter"][0], markers["backward"][pick], markers["step"][0]
     if pick != 0 and markers.get("micro"):
         t_iter = markers["micro"][pick]
+    peak = max_between(t_iter, t_end + 1)[0]
+    if n == 0:  # nothing to cut at (no module runs once as a unit): the whole iteration is fixed
+        return RunCut(tuple(choice), 0, peak, (), (), (), peak, peak, peak)
     base = live_at(t_f[0])
     d, F, B = [], [], []
     for i in range(n):
@@ -322,7 +325,6 @@ def cut_run(live_at, max_between, markers: dict[str, list[int]], units: tuple[st
         t1 = t_b[i - 1] if i > 0 else t_bwd_end
         B.append(max_between(t0, t1)[0] - base - prefix[i])
     before, after = max_between(t_iter, t_f[0])[0], max_between(t_bwd_end, t_end + 1)[0]
-    peak = max_between(t_iter, t_end + 1)[0]
     return RunCut(tuple(choice), base, max(before, after), tuple(d), tuple(F), tuple(B), peak, before, after)
 
 

@@ -178,6 +178,7 @@ class Searcher(ProbeSteps):
         self.spans: dict[tuple[int, int], str] = {}
         self.options: tuple[str, ...] = ("none", "block")
         self._repeats: dict[str, str] = {}  # unit -> its repeat option (candidates.repeated_inside)
+        self._looping: tuple[str, ...] = ()  # modules run more than once, outside every unit
         self.b1, self.b2 = 1, 4  # the two small batch sizes every search probes
         self.notes: list[str] = []
         if self.shard in FULLY_SHARDED and self.use_segments:
@@ -319,18 +320,8 @@ class Searcher(ProbeSteps):
             self.units = tuple(with_parameters(self.runner.model))
             return self._order_units(batch_size, why)
         self.units = tuple(chain)
-        if self._by_calls and "submodules" in self.candidates:
-            self._repeats = repeated_inside(
-                self.runner.model, self.units, [n for n in marked if n not in self._refused], lambda n: mk.get("f>" + n, []),
-                lambda u: (mk["f>" + u][0], mk["f<" + u][0]), lambda n: bool(mk.get("b>" + n)),
-            )
-            if self._repeats:
-                self.notes.append(
-                    "modules that run more than once per step, offered checkpointed at each call: " + ", ".join(
-                        f"{u}.{sub} ({len(mk['f>' + f'{u}.{sub}'])} calls)"
-                        for u, opt in self._repeats.items() for sub in opt.split("+")
-                    )
-                )
+        if self._by_calls:
+            self._repeated(marked, mk)
         self.spans = group_spans(self.units, {g: v for g, v in self.groups.items() if g not in self.units})
         if "blocks" not in self.candidates:  # groups are whole modules checkpointed: the "blocks" kind
             self.spans = {}
@@ -352,6 +343,26 @@ class Searcher(ProbeSteps):
         tl = m.timeline
         none = (0,) * len(self.units)
         self._order_cut = (batch_size, cut_run(tl.live_at, tl.max_between, tl.markers, self.units, none), m.static_bytes)
+
+    def _repeated(self, marked: list[str], mk: dict[str, list[int]]) -> None:
+        """Modules that run more than once per step (docs/design.md §4): inside a unit, a finer option of
+        that unit (`_repeats`); outside every unit (a loop in the model's own forward), the floor's set
+        (`_looping`)."""
+        calls = lambda n: mk.get("f>" + n, [])  # noqa: E731
+        backward = lambda n: bool(mk.get("b>" + n))  # noqa: E731
+        names = [n for n in marked if n not in self._refused]
+        if "submodules" in self.candidates:
+            window = lambda u: (mk["f>" + u][0], mk["f<" + u][0])  # noqa: E731
+            self._repeats = repeated_inside(self.runner.model, self.units, names, calls, window, backward)
+        rest = [n for n in outside(self.runner.model, self.units) if n in names]
+        whole = repeated_inside(self.runner.model, ("",), rest, calls, lambda u: (float("-inf"), float("inf")), backward)
+        self._looping = tuple(whole[""].split("+")) if whole else ()
+        shown = [f"{u}.{sub}" for u, opt in self._repeats.items() for sub in opt.split("+")]
+        if shown:
+            self.notes.append(
+                "modules that run more than once per step, offered checkpointed at each call: "
+                + ", ".join(f"{n} ({len(calls(n))} calls)" for n in shown)
+            )
 
     def _useful_policies(self, batch_size: int) -> list[str]:
         """The op policies that keep something in some block (one forward, measure/op_costs.py): a
@@ -753,6 +764,9 @@ class Searcher(ProbeSteps):
         is the answer at the largest batch its measured peaks reach, verified. Every step it runs is
         checkpointed: one that runs out of device memory does not fit."""
         leaves = tuple(n for n in find_blocks(self.runner.model) if n not in self._refused)
+        what = "every block"
+        if not leaves and self._looping:  # a loop in the model's own forward: each call checkpointed
+            leaves, what = self._looping, "the modules that run more than once per step"
         if not leaves:
             return res
 
@@ -796,8 +810,8 @@ class Searcher(ProbeSteps):
             step_ms=timing.step_ms - again,
             units=leaves,
             baselines={},
-            notes=[*res.notes, f"checkpointing every block ({len(leaves)}: {leaves[0]}, …) reaches batch {best}, the "
-                   f"chain's plan batch {b}: the answer is every block, verified at {format_bytes(peak)}"],
+            notes=[*res.notes, f"checkpointing {what} ({len(leaves)}: {leaves[0]}{', …' if len(leaves) > 1 else ''}) reaches batch {best}, the "
+                   f"chain's plan batch {b}: the answer is {what}, verified at {format_bytes(peak)}"],
         )
         # the plain step at this batch is not run (on a device of the budget's size it would not fit)
         out.baselines["every block"] = FrontierRow(best, out.checkpoint, peak, out.recompute_fraction, True)

@@ -178,5 +178,26 @@ def looped() -> nn.Module:
     return Looped()
 
 
+class SharedLoop(nn.Module):
+    """One layer the model's own forward calls six times: no module runs once around the loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(32, 64)
+        self.layer = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+        self.head = nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for _ in range(6):
+            h = h + self.layer(h)
+        return self.head(h).square().mean()
+
+
+def shared_loop() -> nn.Module:
+    torch.manual_seed(0)
+    return SharedLoop()
+
+
 def looped_batch(batch_size: int) -> tuple[torch.Tensor]:
     return (torch.randn(batch_size, 32, generator=torch.Generator().manual_seed(0)),)
