@@ -2,6 +2,8 @@
 (benchmarks/sweep_models.py), three checks each against the independent harness (tests/harness.py).
 
 1. profile: `ckpt_tune.profile` at batch 2 on the CPU equals the harness's peak of the same step, to the byte.
+   Every harness peak is of the step in which every layer runs (`every_layer`: Hugging Face's LayerDrop off),
+   the worst case of the random stream, which is what ckpt-tune measures.
 2. search: the default search (`ckpt_tune.search`, as `ckpt-tune search --device cpu` runs it: segments on,
    every kind of candidate) under budget = static + 3 × (peak(2) − static), static being the parameters,
    buffers, gradients and AdamW's two moments (at most peak(2): a parameter without a gradient has neither). It passes when it returns a plan whose verified peak is within
@@ -327,7 +329,7 @@ def run_arch(arch: sm.Arch, exact: bool = False, progress=None) -> dict[str, Any
         row["blocks"] = len(blocks := tuple(find_blocks(model)))
         peaks["blocks"] = blocks
         del model
-        peaks["plain"] = harness.measured_peak(r.build, r.make_batch, r.loss_fn, PROFILE_BATCH)
+        peaks["plain"] = harness.measured_peak(r.build, r.make_batch, r.loss_fn, PROFILE_BATCH, wrap=every_layer)
 
     try:
         variant, rec, why = sm.first_working_variant(arch, plain_step)
@@ -380,7 +382,7 @@ def run_arch(arch: sm.Arch, exact: bool = False, progress=None) -> dict[str, Any
         stage("plan")
         try:
             peak = harness.measured_peak(build, make_batch, loss_fn, plan.batch_size, checkpoint=plan.checkpoint,
-                                         accum_steps=plan.grad_accum_steps)
+                                         accum_steps=plan.grad_accum_steps, wrap=every_layer)
             row["measured_peak_bytes"] = peak
             if peak > budget:
                 fail("plan", cls="plan over budget (measured)",
@@ -394,7 +396,7 @@ def run_arch(arch: sm.Arch, exact: bool = False, progress=None) -> dict[str, Any
             blocks = peaks["blocks"]
 
             def every_peak(b: int) -> int:
-                return harness.measured_peak(build, make_batch, loss_fn, b, checkpoint=blocks)
+                return harness.measured_peak(build, make_batch, loss_fn, b, checkpoint=blocks, wrap=every_layer)
 
             eb, seen = largest_fitting(every_peak, budget, plan.batch_size, exact=exact)
             row["every_block_batch"] = eb if exact or eb > plan.batch_size else f"≤{eb}"
@@ -691,6 +693,14 @@ def select(only: str | None, subset: bool, limit: int | None, names: list[str]) 
             raise SystemExit(f"not in the enumeration: {', '.join(missing)}")
         archs = [by_key[k] for k in wanted if only in (None, k.partition(':')[0])]
     return archs[:limit] if limit else archs
+
+
+def every_layer(model) -> None:
+    """LayerDrop off (Hugging Face's `layerdrop`, a layer skipped at random in training): the peaks are of
+    the step in which every layer runs, the worst case, which is what ckpt-tune measures."""
+    for mod in model.modules():
+        if isinstance(mod.__dict__.get("layerdrop"), float):
+            mod.layerdrop = 0.0
 
 
 def main() -> None:

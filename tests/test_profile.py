@@ -32,6 +32,26 @@ def test_a_head_the_loss_does_not_use_is_freed_after_the_forward(batch):
     assert prof.peak_bytes == truth
 
 
+def test_layerdrop_is_off_while_measuring_so_the_peak_is_the_step_where_every_layer_runs():
+    """Which layers run, and so which parameters get gradients and optimizer state, depends on the random
+    stream under LayerDrop: the profile is of the worst case, and the model's setting is given back."""
+    from tests.assets.targets import others
+
+    def every_layer():
+        model = others.layerdrop_stack()
+        model.layerdrop = 0.0
+        return model
+
+    def loss(model, batch):
+        return model(*batch)
+
+    truth = measured_peak(every_layer, others.looped_batch, loss, 64)
+    model = others.layerdrop_stack()
+    prof = profile_model(model, others.looped_batch, loss, 64, scaling=False)
+    assert prof.peak_bytes == truth
+    assert model.layerdrop == 0.5
+
+
 @pytest.mark.parametrize("name", ["mlp_blocks", "cnn_bn", "vit_dropout", "dict_batch"])
 def test_modules_and_unattributed_sum_to_activation_total(name):
     fx = ZOO[name]

@@ -99,7 +99,18 @@ class StepRunner:
 
     def _enter(self) -> StepRunner:
         m = self.model
+        # LayerDrop (Hugging Face's `layerdrop`: a layer skipped at random in training) makes each step's
+        # memory depend on the random stream; every layer runs while measuring: the step's worst case
+        dropping = [(mod, mod.layerdrop) for mod in m.modules() if _layerdrop(mod) > 0]
+        for mod, _ in dropping:
+            mod.layerdrop = 0.0
+        if dropping:
+            self.notes.append(
+                f"LayerDrop off while measuring ({len(dropping)} modules skip layers at random, p = "
+                f"{max(p for _, p in dropping):g}): every layer runs, the step's worst case"
+            )
         self._snapshot = {
+            "layerdrop": dropping,
             "modes": {mod: mod.training for mod in m.modules()},
             # buffers by slot: a dtype change replaces the tensor object in the module's _buffers
             "buffers": [(mod, k, b, b.detach().clone()) for mod in m.modules() for k, b in mod._buffers.items() if b is not None],
@@ -140,6 +151,8 @@ class StepRunner:
             gc.unfreeze()
             self._froze = False
         snap, _m = self._snapshot, self.model
+        for mod, p in snap["layerdrop"]:
+            mod.layerdrop = p
         self.optimizer = None
         for p, g in snap["grads"]:
             p.grad = g
@@ -400,3 +413,8 @@ class Timing:
 def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
     """Pure-bf16 training feeds bf16 inputs: cast every floating tensor of the batch (any pytree)."""
     return tree_map_only(torch.Tensor, lambda x: x.to(dtype) if x.is_floating_point() else x, obj)
+
+
+def _layerdrop(module: nn.Module) -> float:
+    p = module.__dict__.get("layerdrop")
+    return float(p) if isinstance(p, (int, float)) and not isinstance(p, bool) else 0.0

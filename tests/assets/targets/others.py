@@ -199,5 +199,29 @@ def shared_loop() -> nn.Module:
     return SharedLoop()
 
 
+class LayerDropStack(nn.Module):
+    """Hugging Face's LayerDrop: in training each layer is skipped with probability `layerdrop`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layerdrop = 0.5
+        self.embed = nn.Linear(32, 64)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(4))
+        self.head = nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            if self.training and torch.rand([]) < self.layerdrop:
+                continue
+            h = h + layer(h)
+        return self.head(h).square().mean()
+
+
+def layerdrop_stack() -> nn.Module:
+    torch.manual_seed(0)
+    return LayerDropStack()
+
+
 def looped_batch(batch_size: int) -> tuple[torch.Tensor]:
     return (torch.randn(batch_size, 32, generator=torch.Generator().manual_seed(0)),)
