@@ -109,7 +109,7 @@ def _wrap_policy(mod, policy: str) -> None:
 
 class Segment:
     """Blocks run back to back, under ONE non-reentrant checkpoint when `checkpointed` (public API only,
-    independent of ckpt_tune/segment.py): only the segment's input is kept.
+    independent of ckpt_tune/plan/segment.py): only the segment's input is kept.
 
     For chains `x = block(x, *rest, **kw)`: each block gets the previous block's hidden state plus the
     extra arguments the caller passed to the first (Hugging Face blocks take attention masks etc., the

@@ -172,7 +172,7 @@ CASES = [
     ("vit", ["blocks.1.attn", "blocks.1.mlp"]),
     ("gpt2", ["transformer.h.1"]),
     ("gpt2", BLOCK_NAMES["gpt2"]),
-    # segments: consecutive blocks under one checkpoint (ckpt_tune/segment.py)
+    # segments: consecutive blocks under one checkpoint (ckpt_tune/plan/segment.py)
     ("resnet", [tuple(BLOCK_NAMES["resnet"])]),  # BatchNorm in every block, a shape change inside
     ("vit", ["blocks.0", ("blocks.1", "blocks.2")]),  # dropout: the recompute must repeat its masks
     ("gpt2", [tuple(BLOCK_NAMES["gpt2"])]),  # keyword arguments and tuple outputs between the blocks

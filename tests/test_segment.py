@@ -1,4 +1,4 @@
-"""Segments: consecutive blocks under one checkpoint (ckpt_tune/segment.py), from `apply` to `search`.
+"""Segments: consecutive blocks under one checkpoint (ckpt_tune/plan/segment.py), from `apply` to `search`.
 
 Ground truth is tests/harness.py, whose segment wrapper is written independently with the public
 torch.utils.checkpoint API; equality of losses, gradients, BatchNorm statistics and the random stream

@@ -407,7 +407,7 @@ class LocalForeach(TorchFunctionMode):
     291 parameters under fake tensors (issue 14, docs/design.md §3); this mode runs the local op
     directly. Its temporaries come back as plain tensors, which only later foreach calls of the same
     step take. A call whose DTensors differ in mesh or placements, or are not Shard/Replicate, goes
-    to DTensor as before. tests/test_sharded.py checks the recorded step equals DTensor's to the byte.
+    to DTensor as before. tests/test_sharded_engine.py (`test_fake_optimizer_step_on_local_shards_equals_dtensors`) checks the recorded step equals DTensor's to the byte.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

@@ -53,7 +53,7 @@ def search(
 ) -> SearchOutcome:
     """Largest batch (or the given one) that fits `vram`, with the cheapest verified checkpoint plan.
 
-    `segments`: also consider runs of consecutive blocks under one checkpoint (ckpt_tune/segment.py).
+    `segments`: also consider runs of consecutive blocks under one checkpoint (ckpt_tune/plan/segment.py).
     `candidates`: the kinds of choice the planner may use (vocab.CANDIDATES; None: all)."""
     t0 = time.perf_counter()
     t = load(target, settings)
