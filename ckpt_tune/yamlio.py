@@ -128,6 +128,11 @@ class Fields:
             raise self.fail(key, f"must be >= {minimum}, got {value}", hint)
         return value
 
+    def flag(self, value: Any, key: str) -> bool:
+        if not isinstance(value, bool):
+            raise self.fail(key, f"must be true or false, got {kind(value)} {value!r}")
+        return value
+
     def number(self, value: Any, key: str, hint: str | None = None) -> float:
         """A finite number >= 0."""
         if isinstance(value, bool) or not isinstance(value, (int, float)):

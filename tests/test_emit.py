@@ -80,6 +80,15 @@ def test_verified_peak_comes_last_when_present() -> None:
     assert data["verified_peak_bytes"] == 24696061952
 
 
+def test_the_prediction_before_the_first_run_comes_after_the_verified_peak() -> None:
+    plan = dataclasses.replace(EXAMPLE, verified_peak_bytes=23 * GIB, first_predicted_peak_bytes=24 * GIB, predicted_from_run=True)
+    text = plan_to_yaml(plan)
+    data = yaml.safe_load(text)
+    assert list(data) == [*KEY_ORDER, "verified_peak_bytes", "first_predicted_peak_bytes", "predicted_from_run"]
+    assert "# 24.00 GiB, predicted before the plan was first run" in text
+    assert "solved again on terms learned from that run" in text
+
+
 def test_recompute_fraction_is_rounded_to_four_decimals() -> None:
     plan = dataclasses.replace(EXAMPLE, predicted_recompute_fraction=0.123456)
     assert "predicted_recompute_fraction: 0.1235 " in plan_to_yaml(plan)
@@ -94,6 +103,7 @@ def test_recompute_fraction_is_rounded_to_four_decimals() -> None:
         # names YAML would read as other types unless quoted: nn.Sequential children are "0", "1", ...
         dataclasses.replace(EXAMPLE, checkpoint=("0", "1.5", "true", "null", "layers.10", "a: b", "#x")),
         dataclasses.replace(EXAMPLE, target="my pkg/train.py:build", device="meta", precision="fp32"),
+        dataclasses.replace(EXAMPLE, verified_peak_bytes=22 * GIB, first_predicted_peak_bytes=23 * GIB, predicted_from_run=True),
     ],
 )
 def test_write_then_load_round_trips(plan: Plan, tmp_path) -> None:
@@ -163,6 +173,8 @@ def assert_names_the_field(data: dict, field: str, words: str, tmp_path) -> Plan
         ({"predicted_peak_bytes": -1}, "predicted_peak_bytes", "must be >= 0"),
         ({"predicted_peak_bytes": None}, "predicted_peak_bytes", "must be an integer"),
         ({"verified_peak_bytes": -5}, "verified_peak_bytes", "must be >= 0"),
+        ({"first_predicted_peak_bytes": "1GiB"}, "first_predicted_peak_bytes", "must be an integer"),
+        ({"predicted_from_run": "yes please"}, "predicted_from_run", "must be true or false"),
         ({"predicted_recompute_fraction": "11%"}, "predicted_recompute_fraction", "must be a number"),
         ({"predicted_recompute_fraction": -0.1}, "predicted_recompute_fraction", ">= 0"),
         ({"predicted_recompute_fraction": float("nan")}, "predicted_recompute_fraction", "finite"),

@@ -130,8 +130,13 @@ def render_search(outcome, plan_yaml: str, patch: str, elapsed_s: float) -> None
     for label, row in res.baselines.items():
         b.add_row(label, _count(row.plan, res.units), format_bytes(row.predicted_peak) + " (measured)",
                   f"{100 * row.recompute_fraction:.1f}%", "yes" if row.fits else "no")
+    first = res.first_predicted_peak
+    predicted = f"{format_bytes(res.predicted_peak)} predicted"
+    if first is not None and (res.resolved or first != res.predicted_peak):
+        # solved again on terms learned from the plan's own run: the prediction before it comes first
+        predicted = f"{format_bytes(first)} predicted, {format_bytes(res.predicted_peak)} re-solved"
     b.add_row("[bold]ckpt-tune plan[/bold]", _count(res.checkpoint, res.units),
-              f"{format_bytes(res.predicted_peak)} predicted, {format_bytes(res.verified_peak)} verified",
+              f"{predicted}, {format_bytes(res.verified_peak)} verified",
               f"{100 * res.recompute_fraction:.1f}%", "[green]yes[/green]")
     err.print(b)
     for note in res.notes:

@@ -37,6 +37,10 @@ class Plan:
     predicted_peak_bytes: int  # memory model's peak for one iteration with this plan
     predicted_recompute_fraction: float  # extra step time, as a fraction of the step without checkpointing
     verified_peak_bytes: int | None = None  # measured by running the plan; None if not verified
+    # the plan's predicted peak before it was first run (None: not run), and whether predicted_peak_bytes
+    # was solved again on terms learned from that run (segments whose terms were estimated, then measured)
+    first_predicted_peak_bytes: int | None = None
+    predicted_from_run: bool = False
     version: int = PLAN_VERSION
     # A sharded run (docs/design.md §6); the budget and every peak above are per rank. The defaults
     # are one device, and a plan file without these keys means one device.
@@ -82,9 +86,11 @@ KEYS = (
     "predicted_peak_bytes",
     "predicted_recompute_fraction",
     "verified_peak_bytes",
+    "first_predicted_peak_bytes",
+    "predicted_from_run",
 )
 _SHARD_KEYS = ("world_size", "shard", "sharding", "shard_units")  # written for a sharded plan only
-_OPTIONAL_KEYS = ("verified_peak_bytes", *_SHARD_KEYS)
+_OPTIONAL_KEYS = ("verified_peak_bytes", "first_predicted_peak_bytes", "predicted_from_run", *_SHARD_KEYS)
 _FIX = "plan files are written by `ckpt-tune search --out`"
 _STAGE_COMMENT = {
     "zero1": "optimizer state sharded; the model stays whole (ZeroRedundancyOptimizer)",
@@ -152,6 +158,16 @@ def plan_to_yaml(plan: Plan) -> str:
                 f"{format_bytes(plan.verified_peak_bytes)}, measured by running the plan",
             )
         )
+    if plan.first_predicted_peak_bytes is not None:
+        lines.append(
+            line(
+                "first_predicted_peak_bytes",
+                s(plan.first_predicted_peak_bytes),
+                f"{format_bytes(plan.first_predicted_peak_bytes)}, predicted before the plan was first run",
+            )
+        )
+    if plan.predicted_from_run:
+        lines.append(line("predicted_from_run", "true", "predicted_peak_bytes was solved again on terms learned from that run"))
     return "\n".join(lines) + "\n"
 
 
@@ -231,6 +247,10 @@ def _from_mapping(data: dict, where: str) -> Plan:
         verified_peak_bytes=f.integer(data["verified_peak_bytes"], "verified_peak_bytes", 0, nullable=True)
         if "verified_peak_bytes" in data
         else None,
+        first_predicted_peak_bytes=f.integer(data["first_predicted_peak_bytes"], "first_predicted_peak_bytes", 0, nullable=True)
+        if "first_predicted_peak_bytes" in data
+        else None,
+        predicted_from_run=f.flag(data.get("predicted_from_run", False), "predicted_from_run"),
         version=PLAN_VERSION,
         **_sharding(data, f),
     )

@@ -96,6 +96,8 @@ def search(
         predicted_peak_bytes=res.predicted_peak,
         predicted_recompute_fraction=res.recompute_fraction,
         verified_peak_bytes=res.verified_peak,
+        first_predicted_peak_bytes=res.first_predicted_peak,
+        predicted_from_run=res.resolved,
         world_size=world_size,
         shard=shard,
         # what build_runner sharded (the engine's, recorded) or what the arithmetic assumed: the blocks

@@ -128,6 +128,10 @@ class SearchResult:
     # units whose terms were not recorded but copied from an identical unit's (repeats.py) -> that unit
     extended_terms: dict[str, str] = field(default_factory=dict)
     stage_seconds: dict[str, float] = field(default_factory=dict)  # wall time per stage of the search
+    # the plan's predicted peak before it was first run (None: not run by the search), and whether the
+    # reported prediction was solved again on terms learned from that run (estimated segments measured)
+    first_predicted_peak: int | None = None
+    resolved: bool = False
 
 
 class Searcher(ProbeSteps):
@@ -201,6 +205,8 @@ class Searcher(ProbeSteps):
         self._dropped: set[str] = set()  # finer options whose probe step failed (never offered again)
         # (batch, choice) -> the peak of a plan verified alongside the probes at that batch (prefetch)
         self._speculated: dict[tuple[int, tuple[int, ...]], int] = {}
+        # (batch, choice) -> its predicted peak when it was first run (the prediction before verification)
+        self._first_predicted: dict[tuple[int, tuple[int, ...]], int] = {}
         # frontiers solved alongside probes (frontier()): key -> (rows, _version, batches probed then)
         self._frontiers: dict[tuple, tuple[list[FrontierRow], int, frozenset[int]]] = {}
         self._version = 0  # counts changes to recorded terms other than new batches (options, segments)
@@ -426,6 +432,7 @@ class Searcher(ProbeSteps):
         self._short_cuts.clear()
         self._costs.clear()
         self._speculated.clear()  # its choices number the options as they were
+        self._first_predicted.clear()
         self._version += 1
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         self.notes.append(f"option {name} dropped: its probe step failed ({type(error).__name__}: {first[:160]})")
@@ -805,6 +812,8 @@ class Searcher(ProbeSteps):
             batch_size=best,
             checkpoint=entries_of(leaves),
             predicted_peak=above + (best - b - 1) * per,  # linear in the batch from the two runs
+            first_predicted_peak=above + (best - b - 1) * per,
+            resolved=False,
             verified_peak=peak,
             recompute_fraction=round(recompute, 4),
             step_ms=timing.step_ms - again,
@@ -867,6 +876,9 @@ class Searcher(ProbeSteps):
                     b, room, tightened, verified, trials = b - 1, budget, 0, {}, 0
                     continue
                 raise self._no_fit(budget, b, verified)
+            rerun = sol.choice in verified  # solved again after its own run, on terms learned from it
+            if not rerun:
+                self._first_predicted.setdefault((b, sol.choice), sol.peak)
             if sol.choice not in verified and (b, sol.choice) in self._speculated and self.accum_steps == 1:
                 verified[sol.choice] = self._speculated[(b, sol.choice)]  # verified alongside the probes at b
             if sol.choice not in verified:
@@ -888,7 +900,16 @@ class Searcher(ProbeSteps):
                     continue
             peak = verified[sol.choice]
             if peak <= budget:
-                return self._result(b, sol, peak, budget)
+                res = self._result(b, sol, peak, budget)
+                res.first_predicted_peak = self._first_predicted.get((b, sol.choice), sol.peak)
+                res.resolved = rerun and res.first_predicted_peak != sol.peak
+                if res.resolved:
+                    res.notes.append(
+                        f"predicted at {format_bytes(res.first_predicted_peak)} before its first run, where its "
+                        f"segments' terms were estimated; solved again on the terms that run measured: "
+                        f"{format_bytes(res.predicted_peak)} (the \"re-solved\" figure)"
+                    )
+                return res
             room = tighten(room, sol.peak, peak, budget)  # the model was optimistic here
             tightened += 1
         raise self._no_fit(budget, b, verified)
