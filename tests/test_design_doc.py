@@ -1,5 +1,7 @@
-"""docs/design.md's layers table names every module of the package, each in the row of its directory,
-and names no module that does not exist: the table is the map a newcomer reads first."""
+"""The documents that describe the package stay true to it: docs/design.md's layers table names every
+module of the package, each in the row of its directory, and no module that does not exist (the map a
+newcomer reads first); docs/cli.md is what the command line's own definitions generate; the README
+stays short enough to finish."""
 
 from __future__ import annotations
 
@@ -59,3 +61,20 @@ def test_the_layers_table_names_no_module_that_does_not_exist() -> None:
     known = {m for modules in _modules().values() for m in modules} | {"__init__.py"}
     named = {m for where, owns in _table() for m in re.findall(r"`(?:[a-z_]+/)?([a-z_]+\.py)`", where + owns)}
     assert named <= known, f"named in the layers table, not in the package: {sorted(named - known)}"
+
+
+def test_the_options_reference_is_generated_from_the_command_line() -> None:
+    from ckpt_tune.cli.reference import markdown
+
+    committed = (ROOT / "docs" / "cli.md").read_text()
+    assert committed == markdown(), "docs/cli.md is stale: python -m ckpt_tune.cli.reference > docs/cli.md"
+
+
+def test_the_readme_is_a_front_door() -> None:
+    """At most 200 lines, and every page of docs/ it stands in front of is linked from it."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    pages = sorted(p.name for p in (ROOT / "docs").glob("*.md"))
+    assert len(pages) >= 4
+    unlinked = [p for p in pages if f"(docs/{p}" not in readme]
+    assert not unlinked, f"docs pages the README does not link: {unlinked}"

@@ -49,7 +49,7 @@ def _large(config: Path) -> bool:
 
 
 def _marks(config: Path, form: str) -> list:
-    """The README's Llama-2-7B and the tiny GPT-2 as shipped run in `make test`; the other configs, and
+    """The docs' Llama-2-7B and the tiny GPT-2 as shipped run in `make test`; the other configs, and
     every config cut to `model_type` (a default-sized model: tens of seconds each on 2 cores), with
     `make test-heavy`."""
     if form == "shipped" and (not _large(config) or config.stem == "llama-2-7b"):

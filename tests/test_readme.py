@@ -1,4 +1,6 @@
-"""README.md runs: every ```python block and every `ckpt-tune …` command it shows is a test.
+"""The README and the user docs run: every ```python block and every `ckpt-tune …` command that
+README.md and docs/*.md show is a test (docs/design.md, the maintainers' design, and docs/cli.md, the
+generated options table, are left out).
 
 The extractor is our own (no Markdown dependency) and reads three places:
 
@@ -41,6 +43,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+# the documents whose code runs: the README and the user docs (tutorial, how-to, reference, explanation)
+DOCS = [README, *sorted(p for p in (REPO / "docs").glob("*.md") if p.name not in ("design.md", "cli.md"))]
 
 # options whose value is a file the command writes: rewritten into the test's directory
 OUTPUT_OPTIONS = ("--out", "--patch", "--report", "--save", "--baseline")
@@ -55,9 +59,14 @@ TIMEOUT_S = 1800  # per command: a hang fails instead of blocking the suite
 
 @dataclass(frozen=True)
 class Snippet:
-    line: int  # 1-based line of README.md where it starts
+    line: int  # 1-based line of its document where it starts
     text: str  # Python source, or the command line (prompt removed, continuations joined)
     kind: str  # "python" | "fenced" | "indented" | "inline"
+    doc: str = "README.md"  # the document, relative to the repository
+
+    @property
+    def where(self) -> str:
+        return f"{self.doc}:{self.line}"
 
     @property
     def id(self) -> str:
@@ -70,7 +79,8 @@ class Snippet:
             words = [call.group(0) if call else first.split()[0]]
         else:
             words = _strip_comment(self.text).split()[1:4]
-        return f"L{self.line}-" + "_".join(re.sub(r"[^\w.:/=-]", "", w) for w in words)
+        page = "" if self.doc == "README.md" else Path(self.doc).stem + "-"
+        return f"{page}L{self.line}-" + "_".join(re.sub(r"[^\w.:/=-]", "", w) for w in words)
 
 
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})\s*([\w+-]*)")
@@ -149,7 +159,20 @@ def _scan(text: str) -> tuple[list[Snippet], list[Snippet], str]:
 
 
 README_TEXT = README.read_text(encoding="utf-8")
-PYTHON_BLOCKS, COMMANDS = extract(README_TEXT)
+
+
+def _all_docs() -> tuple[list[Snippet], list[Snippet]]:
+    python: list[Snippet] = []
+    commands: list[Snippet] = []
+    for path in DOCS:
+        rel = path.relative_to(REPO).as_posix()
+        p, c = extract(path.read_text(encoding="utf-8"))
+        python += [Snippet(s.line, s.text, s.kind, rel) for s in p]
+        commands += [Snippet(s.line, s.text, s.kind, rel) for s in c]
+    return python, commands
+
+
+PYTHON_BLOCKS, COMMANDS = _all_docs()
 
 
 def argv(cmd: str) -> list[str]:
@@ -277,12 +300,12 @@ def test_skipped_commands_are_usage_forms():
     """Only synopsis lines (`TARGET`, `[--opt …]`) may be skipped; their options must exist."""
     assert SKIPPED
     for s in SKIPPED:
-        assert is_usage_form(s.text), f"README.md:{s.line}: {s.text!r} cannot run ({unrunnable(s.text)})"
+        assert is_usage_form(s.text), f"{s.where}: {s.text!r} cannot run ({unrunnable(s.text)})"
     env = _env()
     helps: dict[str, str] = {}
     for s in SKIPPED:
         sub = s.text.split()[1]
-        assert sub in SUBCOMMANDS, f"README.md:{s.line}: unknown command {sub!r}"
+        assert sub in SUBCOMMANDS, f"{s.where}: unknown command {sub!r}"
         if sub not in helps:
             proc = subprocess.run(
                 [sys.executable, "-m", "ckpt_tune", sub, "--help"],
@@ -292,19 +315,21 @@ def test_skipped_commands_are_usage_forms():
             helps[sub] = proc.stdout
         for opt in re.findall(r"--[a-z][\w-]*", s.text):
             assert re.search(rf"(?<![\w-]){re.escape(opt)}(?![\w-])", helps[sub]), (
-                f"README.md:{s.line}: `ckpt-tune {sub}` has no option {opt}"
+                f"{s.where}: `ckpt-tune {sub}` has no option {opt}"
             )
 
 
-def test_readme_paths_exist():
-    """Repository paths the README names (`ckpt_tune/plan/segment.py`, `benchmarks/…`, *.md) exist."""
-    text = _scan(README_TEXT)[2]
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_readme_paths_exist(doc: Path):
+    """Repository paths a document names (`ckpt_tune/plan/segment.py`, `benchmarks/…`, *.md, links) exist,
+    read from the repository root or from the document's own directory."""
+    text = _scan(doc.read_text(encoding="utf-8"))[2]
     paths = {m.group(1) for m in re.finditer(r"`([\w./-]+/[\w./-]*)(?::\w+)?`", text)}
-    paths |= set(re.findall(r"(?<![\w/.-])([\w/-]+\.md)\b", text))
+    paths |= set(re.findall(r"(?<![\w/.-])([\w/.-]+\.md)\b", text))
+    paths |= {m.group(1) for m in re.finditer(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text) if "://" not in m.group(1)}
     paths = {p for p in paths if not p.startswith("path/to")}
-    assert paths
-    missing = sorted(p for p in paths if not (REPO / p).exists())
-    assert not missing, f"README.md names files that do not exist: {missing}"
+    missing = sorted(p for p in paths if not ((REPO / p).exists() or (doc.parent / p).exists()))
+    assert not missing, f"{doc.relative_to(REPO)} names files that do not exist: {missing}"
 
 
 # --- the public API --------------------------------------------------------------------------------
@@ -395,8 +420,8 @@ def test_readme_python(block: Snippet, workdir: Path, monkeypatch: pytest.Monkey
     monkeypatch.chdir(workdir)
     monkeypatch.syspath_prepend(str(REPO))
     namespace = {"__name__": "__readme__", **_gpt_names()}
-    # padded so a traceback's line numbers are README.md's
-    code = compile("\n" * (block.line - 1) + block.text, str(README), "exec")
+    # padded so a traceback's line numbers are the document's
+    code = compile("\n" * (block.line - 1) + block.text, str(REPO / block.doc), "exec")
     try:
         exec(code, namespace)
     except AssertionError as e:
@@ -427,9 +452,9 @@ def test_readme_command(snippet: Snippet, workdir: Path):
     )
     want = expected_exit(snippet.text)
     assert proc.returncode == want, (
-        f"README.md:{snippet.line}: `{snippet.text}` exited {proc.returncode}, the README says {want}\n"
+        f"{snippet.where}: `{snippet.text}` exited {proc.returncode}, the document says {want}\n"
         f"{proc.stderr[-4000:]}"
     )
     if want == 0:
         for path in outputs:
-            assert path.exists(), f"README.md:{snippet.line}: {path.name} was not written"
+            assert path.exists(), f"{snippet.where}: {path.name} was not written"

@@ -137,7 +137,7 @@ def test_fake_tensors_record_the_sharded_step_as_the_cpu_does():
 
     for shard in ("fsdp", "zero1"):
         # no plan: a checkpoint region stashes the CPU random state (5,056 B, a real tensor even under
-        # fake tensors), which fake mode does not count (README, known limitations)
+        # fake tensors), which fake mode does not count (docs/limitations.md)
         real = runner_peak(2, 0, shard, checkpoint=[])
         fake = fake_inputs.build_fake_model(t)
         settings = StepSettings(device="meta", fake_target="cpu")
