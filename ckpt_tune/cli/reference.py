@@ -27,7 +27,7 @@ def _names(param) -> str:
 
 
 def _default(param) -> str:
-    if param.param_type_name == "argument" or param.default is None or getattr(param, "is_flag", False) and param.default is False:
+    if param.param_type_name == "argument" or param.default is None or (getattr(param, "is_flag", False) and param.default is False):
         return ""
     return f"`{param.default}`"
 
