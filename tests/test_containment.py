@@ -119,6 +119,25 @@ def test_a_layer_the_model_itself_loops_over_is_checkpointed_at_each_call() -> N
     _same_step(others.shared_loop, others.looped_batch(2), plan.checkpoint)
 
 
+def test_a_buffer_the_forward_replaces_is_not_updated_again_by_the_recompute() -> None:
+    # I-BERT's range trackers assign a new tensor to their buffers in training: checkpointed blocks
+    # (and a segment) leave them as one step without checkpointing does
+    _same_step(others.range_tracked, others.looped_batch(8), ["blocks.0", "blocks.2"])
+    _same_step(others.range_tracked, others.looped_batch(8), [["blocks.0", "blocks.1"]])
+    # and so does the patch snippet, which carries its own copy of the wrapper
+    from ckpt_tune.plan.file import Plan
+    from ckpt_tune.plan.patch import patch_snippet
+
+    plan = Plan(target="t.py:build", device="cpu", precision="fp32", optimizer="adamw", budget_bytes=None, batch_size=8,
+                grad_accum_steps=1, checkpoint=("blocks.0", "blocks.2"), predicted_peak_bytes=0, predicted_recompute_fraction=0.0)
+    patched = {"model": others.range_tracked()}
+    exec(compile(patch_snippet(plan), "<patch snippet>", "exec"), patched)
+    a = one_step(others.range_tracked(), others.looped_batch(8), _loss)
+    b = one_step(patched["model"], others.looped_batch(8), _loss)
+    assert all(torch.equal(a["buffers"][k], b["buffers"][k]) for k in a["buffers"])
+    assert all(torch.equal(a["grads"][k], b["grads"][k]) for k in a["grads"])
+
+
 def test_a_refinement_that_raises_is_dropped_with_a_note_and_the_search_goes_on(monkeypatch) -> None:
     import ckpt_tune.tune.searcher as searcher_module
 

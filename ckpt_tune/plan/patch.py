@@ -47,11 +47,15 @@ def _ckpt_forward(self, *args, **kwargs):
         # Recompute in backward: BatchNorm would update its running stats a second time
         # (pytorch#96136). Let it update throwaway copies; its output is bit-for-bit the same.
         kept = [(m, k, b) for m in norms for k, b in m._buffers.items() if b is not None]
+        # a buffer the forward replaces (self.x_min = self.x_min + ...): the recompute's replacement is dropped
+        entries = [(m, dict(m._buffers)) for m in self.modules() if m._buffers]
         for (m, k, b), spare in zip(kept, spares or [b.clone() for *_, b in kept]):
             m._buffers[k] = spare
         try:
             return inner(*a, **kwargs)
         finally:
+            for m, saved in entries:
+                m._buffers.update(saved)
             for m, k, b in kept:
                 m._buffers[k] = b
 

@@ -63,6 +63,9 @@ def throwaway_running_stats(module: nn.Module, spares: list[torch.Tensor] | None
     op policy, whose recompute must run exactly the ops of its forward and no clone.
     """
     kept = running_stats(module)
+    # any other buffer a forward replaces (`self.x_min = self.x_min + ...`, Hugging Face's I-BERT range
+    # trackers): the recompute's replacement is dropped, the entry put back; nothing is cloned for them
+    entries = [(m, dict(m._buffers)) for m in module.modules() if m._buffers]
     if spares is None:
         spares = [buf.clone() for _, _, buf in kept]
     for (m, name, _), spare in zip(kept, spares):
@@ -70,6 +73,8 @@ def throwaway_running_stats(module: nn.Module, spares: list[torch.Tensor] | None
     try:
         yield
     finally:
+        for m, saved in entries:
+            m._buffers.update(saved)
         for m, name, buf in kept:
             m._buffers[name] = buf
 

@@ -223,5 +223,41 @@ def layerdrop_stack() -> nn.Module:
     return LayerDropStack()
 
 
+class _RangeTracker(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("x_min", torch.zeros(1))
+        self.register_buffer("x_max", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.x_min = self.x_min * 0.9 + x.detach().min() * 0.1
+            self.x_max = self.x_max * 0.9 + x.detach().max() * 0.1
+        return x
+
+
+class RangeTrackedBlocks(nn.Module):
+    """The same with each tracker inside its block, so a checkpointed block recomputes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(32, 64)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(64, 128), _RangeTracker(), nn.GELU(), nn.Linear(128, 64)) for _ in range(3)
+        )
+        self.head = nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h).square().mean()
+
+
+def range_tracked() -> nn.Module:
+    torch.manual_seed(0)
+    return RangeTrackedBlocks()
+
+
 def looped_batch(batch_size: int) -> tuple[torch.Tensor]:
     return (torch.randn(batch_size, 32, generator=torch.Generator().manual_seed(0)),)
