@@ -130,13 +130,11 @@ def render_search(outcome, plan_yaml: str, patch: str, elapsed_s: float) -> None
     for label, row in res.baselines.items():
         b.add_row(label, _count(row.plan, res.units), format_bytes(row.predicted_peak) + " (measured)",
                   f"{100 * row.recompute_fraction:.1f}%", "yes" if row.fits else "no")
-    first = res.first_predicted_peak
-    predicted = f"{format_bytes(res.predicted_peak)} predicted"
-    if first is not None and (res.resolved or first != res.predicted_peak):
-        # solved again on terms learned from the plan's own run: the prediction before it comes first
-        predicted = f"{format_bytes(first)} predicted, {format_bytes(res.predicted_peak)} re-solved"
+    # the prediction made before the plan was first run, against what that run measured (a figure solved
+    # again on terms the run itself measured is in the notes, not here)
+    predicted = res.predicted_peak if res.first_predicted_peak is None else res.first_predicted_peak
     b.add_row("[bold]ckpt-tune plan[/bold]", _count(res.checkpoint, res.units),
-              f"{predicted}, {format_bytes(res.verified_peak)} verified",
+              f"{format_bytes(predicted)} predicted, {format_bytes(res.verified_peak)} verified",
               f"{100 * res.recompute_fraction:.1f}%", "[green]yes[/green]")
     err.print(b)
     for note in res.notes:

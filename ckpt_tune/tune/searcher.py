@@ -907,7 +907,7 @@ class Searcher(ProbeSteps):
                     res.notes.append(
                         f"predicted at {format_bytes(res.first_predicted_peak)} before its first run, where its "
                         f"segments' terms were estimated; solved again on the terms that run measured: "
-                        f"{format_bytes(res.predicted_peak)} (the \"re-solved\" figure)"
+                        f"{format_bytes(res.predicted_peak)}, the plan file's predicted_peak_bytes"
                     )
                 return res
             room = tighten(room, sol.peak, peak, budget)  # the model was optimistic here
