@@ -164,28 +164,34 @@ def call_chain(
     return expand(""), groups
 
 
+def outermost_repeated(
+    model: nn.Module, names: list[str], calls: Callable[[str], list[float]], with_backward: Callable[[str], bool]
+) -> list[str]:
+    """The outermost composite modules of `names` that run more than once per step with a backward (a
+    shared layer called in a loop, like ALBERT's encoder layer): checkpointing one is what a user writes
+    in the loop, every call keeping its input only and recomputed on its own in backward. `calls(name)`:
+    the start of each forward call."""
+    repeated = [
+        n for n in names if len(calls(n)) > 1 and with_backward(n) and list(model.get_submodule(n).children())
+    ]
+    return [n for n in repeated if not any(_inside(n, o) for o in repeated)]
+
+
 def repeated_inside(
     model: nn.Module, units: tuple[str, ...], names: list[str], calls: Callable[[str], list[float]],
     window: Callable[[str], tuple[float, float]], with_backward: Callable[[str], bool],
 ) -> dict[str, str]:
-    """Each unit of `units` that holds modules run more than once per step (a shared layer called in a
-    loop, like ALBERT's encoder layer) -> its repeat option: the relative names of the outermost such
-    modules of `names`, joined by `+`. Checkpointing them is what a user writes in the loop: every call
-    keeps its input only and is recomputed on its own in backward. Only composite modules with a
-    backward count, whose every call starts within the unit's forward (`window(unit)`: its start and
-    end; `calls(name)`: the start of each forward call); a module the unit shares with code outside
-    it is left out, as checkpointing it would change other units too. The unit "" is the whole model."""
+    """Each unit of `units` that holds `outermost_repeated` modules -> its repeat option: their names
+    relative to the unit, joined by `+`. Only modules whose every call starts within the unit's forward
+    count (`window(unit)`: its start and end); a module the unit shares with code outside it is left
+    out, as checkpointing it would change other units too."""
     found: dict[str, str] = {}
     for u in units:
         t0, t1 = window(u)
-        inner = [
-            n for n in names
-            if (_inside(n, u) or not u) and len(calls(n)) > 1 and with_backward(n) and list(model.get_submodule(n).children())
-            and all(t0 <= t <= t1 for t in calls(n))
-        ]
-        outer = [n for n in inner if not any(_inside(n, o) for o in inner)]
+        mine = [n for n in names if _inside(n, u) and all(t0 <= t <= t1 for t in calls(n))]
+        outer = outermost_repeated(model, mine, calls, with_backward)
         if outer:
-            found[u] = "+".join(n[len(u) + 1 :] if u else n for n in outer)
+            found[u] = "+".join(n[len(u) + 1 :] for n in outer)
     return found
 
 

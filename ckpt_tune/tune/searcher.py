@@ -38,6 +38,7 @@ from ckpt_tune.tune.candidates import (
     find_sub_options,
     group_spans,
     has_sub_option,
+    outermost_repeated,
     outside,
     repeated_inside,
     with_parameters,
@@ -361,8 +362,7 @@ class Searcher(ProbeSteps):
             window = lambda u: (mk["f>" + u][0], mk["f<" + u][0])  # noqa: E731
             self._repeats = repeated_inside(self.runner.model, self.units, names, calls, window, backward)
         rest = [n for n in outside(self.runner.model, self.units) if n in names]
-        whole = repeated_inside(self.runner.model, ("",), rest, calls, lambda u: (float("-inf"), float("inf")), backward)
-        self._looping = tuple(whole[""].split("+")) if whole else ()
+        self._looping = tuple(outermost_repeated(self.runner.model, rest, calls, backward))
         shown = [f"{u}.{sub}" for u, opt in self._repeats.items() for sub in opt.split("+")]
         if shown:
             self.notes.append(
@@ -807,12 +807,13 @@ class Searcher(ProbeSteps):
         timing = self.runner.time_step(best, checkpoint=leaves)
         again = sum(timing.forward_ms.get(n, 0.0) for n in leaves)
         recompute = again / max(timing.step_ms - again, 1e-9)
+        predicted = above + (best - b - 1) * per  # linear in the batch from the two runs, made before `best` ran
         out = replace(
             res,
             batch_size=best,
             checkpoint=entries_of(leaves),
-            predicted_peak=above + (best - b - 1) * per,  # linear in the batch from the two runs
-            first_predicted_peak=above + (best - b - 1) * per,
+            predicted_peak=predicted,
+            first_predicted_peak=predicted,
             resolved=False,
             verified_peak=peak,
             recompute_fraction=round(recompute, 4),
