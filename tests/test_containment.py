@@ -138,6 +138,16 @@ def test_a_buffer_the_forward_replaces_is_not_updated_again_by_the_recompute() -
     assert all(torch.equal(a["grads"][k], b["grads"][k]) for k in a["grads"])
 
 
+def test_a_search_says_layerdrop_was_off_while_it_measured() -> None:
+    out = ckpt_tune.search(f"{OTHERS}:layerdrop_stack", vram=str(4 << 20), settings=Settings(device="cpu", batch_fn=f"{OTHERS}:looped_batch"))
+    assert any(n.startswith("LayerDrop off while measuring") for n in out.result.notes), out.result.notes
+    plan = out.plan
+    assert plan.verified_peak_bytes <= 4 << 20
+    every_layer = measured_peak(others.layerdrop_stack, others.looped_batch, _loss, plan.batch_size, checkpoint=plan.checkpoint,
+                                wrap=lambda m: setattr(m, "layerdrop", 0.0))
+    assert every_layer == plan.verified_peak_bytes
+
+
 def test_a_refinement_that_raises_is_dropped_with_a_note_and_the_search_goes_on(monkeypatch) -> None:
     import ckpt_tune.tune.searcher as searcher_module
 

@@ -75,8 +75,13 @@ class HostGuard:
     # -- the StepRunner interface ---------------------------------------------------------------
     def __enter__(self) -> HostGuard:
         self.real.__enter__()
+        self._take_notes(self.real)
         self.limit = int(self._headroom() * SAFETY)
         return self
+
+    def _take_notes(self, runner: StepRunner) -> None:
+        """A runner's own notes (how it holds the model: LayerDrop off) are this guard's too."""
+        self.notes += [n for n in runner.notes if n not in self.notes]
 
     def __exit__(self, *exc) -> None:
         try:
@@ -148,6 +153,7 @@ class HostGuard:
         if self._fake is None:
             self._fake = self._make_fake()
             self._fake.__enter__()
+            self._take_notes(self._fake)
         return self._fake
 
     def largest_fitting(self) -> int:
