@@ -106,7 +106,7 @@ class StepRunner:
             mod.layerdrop = 0.0
         if dropping:
             self.notes.append(
-                f"LayerDrop off while measuring ({len(dropping)} modules skip layers at random, p = "
+                f"LayerDrop off while measuring ({len(dropping)} module{'s' if len(dropping) > 1 else ''} skipping layers at random, p = "
                 f"{max(p for _, p in dropping):g}): every layer runs, the step's worst case"
             )
         self._snapshot = {
