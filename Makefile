@@ -13,6 +13,8 @@ $(BIN)/python:
 # torch==2.13.0 only when no torch is importable: a user's own (CUDA) build is kept.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "torch==2.13.0"
+	@# deepspeed ships as an sdist whose build imports torch: build it against this torch, no ops compiled
+	$(BIN)/python -c "import deepspeed" 2>/dev/null || DS_BUILD_OPS=0 $(BIN)/pip install -q --no-build-isolation "deepspeed==0.19.8"
 	$(BIN)/pip install -q -e ".[dev,gpu]"
 	@# PyPI's torchvision extension is built for CUDA torch: let its pure-Python models import beside the CPU one
 	$(BIN)/python tests/torchvision_compat.py
