@@ -48,6 +48,9 @@ class Plan:
     shard: str = "none"  # one of SHARDS
     shard_units: tuple[ShardUnit, ...] = ()  # fully_shard each, in this order, then the root (zero2/3, fsdp)
     sharding: str = "none"  # how the per-rank figures were obtained: one of SHARDINGS
+    # tokens per sample of the batches the plan was made for (--hf-config's --seq-len); None: the
+    # target's own make_batch made them
+    seq_len: int | None = None
 
     def __post_init__(self) -> None:
         # entries may be given in their data form ("blocks.0", ["blocks.1", "blocks.2"]): keep the type
@@ -78,6 +81,7 @@ KEYS = (
     "budget_bytes",
     "batch_size",
     "grad_accum_steps",
+    "seq_len",
     "world_size",
     "shard",
     "sharding",
@@ -90,7 +94,7 @@ KEYS = (
     "predicted_from_run",
 )
 _SHARD_KEYS = ("world_size", "shard", "sharding", "shard_units")  # written for a sharded plan only
-_OPTIONAL_KEYS = ("verified_peak_bytes", "first_predicted_peak_bytes", "predicted_from_run", *_SHARD_KEYS)
+_OPTIONAL_KEYS = ("seq_len", "verified_peak_bytes", "first_predicted_peak_bytes", "predicted_from_run", *_SHARD_KEYS)
 _FIX = "plan files are written by `ckpt-tune search --out`"
 _STAGE_COMMENT = {
     "zero1": "optimizer state sharded; the model stays whole (ZeroRedundancyOptimizer)",
@@ -135,6 +139,8 @@ def plan_to_yaml(plan: Plan) -> str:
         line("batch_size", s(plan.batch_size), "micro-batch per step"),
         line("grad_accum_steps", s(plan.grad_accum_steps)),
     ]
+    if plan.seq_len is not None:
+        lines.append(line("seq_len", s(plan.seq_len), "tokens per sample of the batches planned for"))
     if plan.sharded:
         lines += _shard_lines(plan)
     if plan.checkpoint:
@@ -239,6 +245,7 @@ def _from_mapping(data: dict, where: str) -> Plan:
         budget_bytes=f.integer(data["budget_bytes"], "budget_bytes", 1, nullable=True),
         batch_size=f.integer(data["batch_size"], "batch_size", 1),
         grad_accum_steps=f.integer(data["grad_accum_steps"], "grad_accum_steps", 1),
+        seq_len=f.integer(data["seq_len"], "seq_len", 1, nullable=True) if "seq_len" in data else None,
         checkpoint=_checkpoint_entries(data["checkpoint"], f),
         predicted_peak_bytes=f.integer(data["predicted_peak_bytes"], "predicted_peak_bytes", 0),
         predicted_recompute_fraction=f.number(
