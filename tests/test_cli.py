@@ -128,3 +128,60 @@ def test_readme_shows_the_two_commands_and_every_command():
     for name in names:
         assert f"ckpt-tune {name}" in readme, f"README does not show `ckpt-tune {name}`"
         assert run(name, "--help").returncode == 0
+
+
+def test_version_prints_the_installed_package_version():
+    from importlib.metadata import version
+
+    import ckpt_tune
+
+    p = run("--version")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == f"ckpt-tune {version('ckpt-tune')}\n"
+    assert version("ckpt-tune") == ckpt_tune.__version__
+
+
+def test_boolean_options_are_shown_as_flags_in_every_help():
+    for command in ([], ["profile"], ["search"], ["check"], ["diagnose"]):
+        p = run(*command, "--help")
+        assert p.returncode == 0, p.stderr
+        assert "--json" in p.stdout or not command
+        for shown in ("<bool>", "BOOLEAN"):
+            assert shown not in p.stdout, (command, p.stdout)
+
+
+def test_ctrl_c_exits_130_with_one_line(tmp_path):
+    import signal
+    import time
+
+    (tmp_path / "slow.py").write_text(
+        "import pathlib, time, torch\n"
+        "def build():\n"
+        "    pathlib.Path('started').write_text('')\n"
+        "    time.sleep(120)\n"
+        "    return torch.nn.Linear(2, 2)\n"
+        "def make_batch(b):\n"
+        "    return torch.randn(b, 2)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.Popen([sys.executable, "-m", "ckpt_tune", "search", "slow.py:build", "--device", "cpu", "--vram", "1GiB",
+                          "--out", "plan.yaml"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "started").exists():
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.1)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130
+    assert err == "interrupted (Ctrl-C)\n"
+    assert out == ""
+    assert not (tmp_path / "plan.yaml").exists()
+
+
+def test_shell_completion_completes_commands_and_options():
+    env = {**os.environ, "_CKPT_TUNE_COMPLETE": "complete_bash", "COMP_WORDS": "ckpt-tune search --pre", "COMP_CWORD": "2"}
+    p = subprocess.run([str(Path(sys.executable).parent / "ckpt-tune")], capture_output=True, text=True, env=env, timeout=120)
+    assert p.stdout.split() == ["--precision"], p.stderr
+    env.update(COMP_WORDS="ckpt-tune dia", COMP_CWORD="1")
+    p = subprocess.run([str(Path(sys.executable).parent / "ckpt-tune")], capture_output=True, text=True, env=env, timeout=120)
+    assert p.stdout.split() == ["diagnose"], p.stderr

@@ -99,9 +99,17 @@ def _source(ctx, name: str) -> str | None:
 
 def _with_config(invoke: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """A command's `invoke` that says which configuration file was read and, when the command fails on
-    a value taken from it, names the file and key in the hint."""
+    a value taken from it, names the file and key in the hint; an interrupt is said in one line."""
 
     def run(ctx):
+        try:
+            return configured(ctx)
+        except KeyboardInterrupt:
+            # typer turns the interrupt into a silent exit 130: say why the command stopped
+            sys.stderr.write("interrupted (Ctrl-C)\n")
+            raise
+
+    def configured(ctx):
         found = _state["config"]
         if found is None:
             return invoke(ctx)
@@ -168,8 +176,8 @@ def main(argv: list[str] | None = None) -> None:
         cmd.get_help_option = _flag_help(cmd.get_help_option)
     try:
         command(args)
-    except KeyboardInterrupt:
-        sys.stderr.write("interrupted: nothing was written\n")
+    except KeyboardInterrupt:  # outside a command: while parsing
+        sys.stderr.write("interrupted (Ctrl-C)\n")
         sys.exit(130)
     except CkptTuneError as e:
         if _state["debug"]:
