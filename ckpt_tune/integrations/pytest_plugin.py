@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -128,9 +127,9 @@ def read_marker(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Limit:
             hint=f"accepted forms: {ACCEPTED_SIZES}",
         )
     # measure.device imports torch: here, when a marked test runs, not when pytest loads the plugin
-    from ckpt_tune.measure.device import DeviceError, _read_bytes, resolve_device
+    from ckpt_tune.measure.device import DeviceError, parse_bytes, resolve_device
 
-    limit, _ = _read_bytes(str(size), what=f"{written}: the size", accepted=ACCEPTED_SIZES)
+    limit = parse_bytes(str(size), what=f"{written}: the size", accepted=ACCEPTED_SIZES)
     device = kwargs.get("device", "cpu")
     if not isinstance(device, str) or device.strip().lower() == "meta":
         raise CkptTuneError(
@@ -352,14 +351,7 @@ def _cached(value: Any, device: str) -> dict[str, Any] | None:
 @contextlib.contextmanager
 def _quiet_profiler() -> Iterator[None]:
     """Around torch.profiler's start and stop: its warnings on CPU-only builds are not the test's (the
-    test's warnings filters are not for them), and Kineto's start/stop lines go to file descriptor 2,
-    which pytest's capture has redirected: Recorder silences the descriptor of `sys.stderr`, so it is
-    the real one here, not pytest's capture file."""
-    saved = sys.stderr
-    sys.stderr = sys.__stderr__ or saved
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        sys.stderr = saved
+    test's warnings filters are not for them)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield

@@ -106,9 +106,11 @@ def _read_bytes(text: str, what: str = "--vram", accepted: str = ACCEPTED_BUDGET
     return value, how
 
 
-def parse_bytes(text: str) -> int:
-    """`24GB` -> 24 * 2**30. GB/MB/KB/TB (and G/M/K/T) are read as their binary units."""
-    return _read_bytes(text)[0]
+def parse_bytes(text: str, what: str = "--vram", accepted: str = ACCEPTED_BUDGETS) -> int:
+    """`24GB` -> 24 * 2**30. GB/MB/KB/TB (and G/M/K/T) are read as their binary units.
+
+    `what` names the value in an error (a BudgetError), `accepted` lists the forms in its hint."""
+    return _read_bytes(text, what, accepted)[0]
 
 
 def _parse_percent(text: str) -> Fraction:

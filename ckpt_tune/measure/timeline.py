@@ -45,9 +45,10 @@ def mark(name: str) -> None:
 
 @contextlib.contextmanager
 def quiet_stderr() -> Iterator[None]:
-    """Kineto prints start/stop lines straight to fd 2; keep the user's terminal clean."""
+    """Kineto prints start/stop lines straight to fd 2; keep the user's terminal clean. The process's
+    own stderr, not `sys.stderr`, which pytest's capture (or a caller) may have replaced."""
     try:
-        fd = sys.stderr.fileno()
+        fd = (sys.__stderr__ or sys.stderr).fileno()
     except (AttributeError, OSError, ValueError):
         yield
         return
