@@ -311,7 +311,7 @@ def test_sharding_stays_arithmetic_where_the_engine_cannot_run_and_no_second_gro
     opens a runner of its own while its own runner (which may hold the fake process group) is open."""
     from types import SimpleNamespace
 
-    from ckpt_tune.diagnosis import remedies
+    from ckpt_tune.diagnosis import shard_remedies as remedies
     from ckpt_tune.diagnosis.study import Study
     from ckpt_tune.measure.device import Budget
     from ckpt_tune.measure.runner import StepSettings

@@ -16,7 +16,7 @@ recorded under PyTorch's own sharding engine (measure/sharded.py; `Diagnosis.sha
 on a CUDA device one device's step is divided by arithmetic ("arithmetic").
 
 One module per stage: study.py records the steps and plans checkpointing on them (`Study`); remedies.py
-builds each remedy from a study; lora.py is the LoRA adapter the LoRA remedy records with; result.py
+builds each remedy from a study, shard_remedies.py the sharding ones; lora.py is the LoRA adapter the LoRA remedy records with; result.py
 holds the answer (`Diagnosis`, `Remedy`), its ranking and its texts; oom.py reads an OOM message.
 """
 
@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from ckpt_tune.diagnosis import remedies
+from ckpt_tune.diagnosis import remedies, shard_remedies
 from ckpt_tune.diagnosis.lora import (
     WEIGHT_LAYERS,
     LoRALinear,
@@ -112,4 +112,4 @@ def _run(study: Study) -> None:
                 remedies.single_gpu_remedies(study)
         if not study.fits:  # remedies that run the step under other settings, each with its own runner
             study.add(remedies.mixed_precision(study), remedies.lora(study))
-            remedies.sharded_runs(study)
+            shard_remedies.sharded_runs(study)

@@ -83,7 +83,7 @@ class Study:
         self.notes: list[str] = []
         self.floor: Remedy | None = None
         # sharding stages chosen by arithmetic while the runner is open, recorded after it closed
-        # (remedies.sharding, remedies.sharded_runs)
+        # (shard_remedies.sharding, shard_remedies.sharded_runs)
         self.shard_choices: list = []
         self._min_plan: tuple[Names, float] | None = None
         self._recording = False  # True while self.runner is open
