@@ -35,11 +35,12 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedOperatorException,
 )
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ckpt_tune.errors import CkptTuneError
 from ckpt_tune.measure import timeline
+from ckpt_tune.measure.fake_ops import RECORD_FUNCTION_ENTER, SHORTCUTS, MetaGaps, eager_hf_masks
 from ckpt_tune.measure.scratch import (
     CPU_SCRATCH_OPS,
     CUDA_WORKSPACE_OPS,
@@ -55,32 +56,6 @@ aten = torch.ops.aten
 # (c10/cuda/CUDACachingAllocator.cpp, round_size).
 CUDA_BLOCK_ROUND = 512
 FAKE_HINT = "use --device cpu on a smaller config"
-_RECORD_FUNCTION_ENTER = torch.ops.profiler._record_function_enter_new.default
-_RECORD_FUNCTION_EXIT = torch.ops.profiler._record_function_exit._RecordFunction
-# `tensor.device` under a dispatch mode: the most frequent op of a step (FSDP2 and autograd ask it
-# thousands of times), which allocates nothing
-_DEVICE = torch.ops.prim.device.default
-
-
-def _device(func, args):
-    """`tensor.device` as FakeTensor answers it (fake_tensor.py), without dispatching it further."""
-    t = args[0]
-    if type(t) is FakeTensor and not t.fake_mode.in_kernel_invocation:
-        return t.fake_device
-    return func(*args)
-
-
-def _record_function(func, args, kwargs):
-    """A `record_function` range (FSDP2 opens one per hook) as the fake mode runs it (fake_impls.py),
-    without dispatching it further: the real op on entry, nothing on exit."""
-    if func is _RECORD_FUNCTION_EXIT:
-        return None
-    with _disable_current_modes():
-        return func(*args, **kwargs)
-
-
-# ops the fake mode answers without fake tensors, answered here as it would (a third of a step's ops)
-_SHORTCUTS = {_DEVICE: lambda func, args, kwargs: _device(func, args), _RECORD_FUNCTION_ENTER: _record_function, _RECORD_FUNCTION_EXIT: _record_function}
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 
 _MODE: FakeTensorMode | None = None
@@ -154,74 +129,8 @@ def fake_errors() -> Iterator[None]:
 @contextlib.contextmanager
 def running() -> Iterator[FakeTensorMode]:
     """The fake mode, entered, with FakeModeError translation: wrap each iteration (warm-up too) in it."""
-    with fake_errors(), fake_mode() as mode, _MetaGaps(), _eager_hf_masks():
+    with fake_errors(), fake_mode() as mode, MetaGaps(), eager_hf_masks():
         yield mode
-
-
-@contextlib.contextmanager
-def _eager_hf_masks() -> Iterator[None]:
-    """Hugging Face models take a fake tensor for a sign of tracing (torch.export) and then build the
-    attention mask they skip in eager runs: `find_packed_sequence_indices` cannot read the position ids,
-    so every step would materialise a (batch, 1, T, T) mask and run attention with it (and repeat the
-    key/value heads of grouped-query attention instead of passing them as they are). A real run of
-    sequences that are not packed finds no packing and skips that mask; under fake tensors the position
-    ids are taken as not packed, as in that run (docs/design.md §3). Only while recording, and only
-    where transformers is already imported."""
-    import sys
-
-    masking = sys.modules.get("transformers.masking_utils")
-    find = getattr(masking, "find_packed_sequence_indices", None)
-    if find is None:
-        yield
-        return
-
-    def unpacked_if_fake(position_ids, *args, **kwargs):
-        if isinstance(position_ids, FakeTensor):
-            return None
-        return find(position_ids, *args, **kwargs)
-
-    masking.find_packed_sequence_indices = unpacked_if_fake
-    try:
-        yield
-    finally:
-        masking.find_packed_sequence_indices = find
-
-
-# --- ops whose meta kernel rejects what the CPU kernel runs ------------------------------------------
-
-
-def _grouped_mm_output(args, kwargs) -> torch.Tensor | None:
-    """`aten._grouped_mm` (MoE experts in transformers): the meta kernel demands bf16 (CUDA's rule), the
-    CPU kernel takes any float dtype. Same output as the meta kernel's CPU branch, for any dtype."""
-    a, b = args[0], args[1]
-    offs = args[2] if len(args) > 2 else kwargs.get("offs")
-    out_dtype = (args[4] if len(args) > 4 else kwargs.get("out_dtype")) or a.dtype
-    if a.dtype == b.dtype == torch.bfloat16 or a.dtype != b.dtype or not a.is_floating_point():
-        return None  # the meta kernel's own checks apply
-    if a.dim() == 2 and b.dim() == 2:
-        size = [offs.size(0), a.size(0), b.size(1)]
-    elif a.dim() == 2:
-        size = [a.size(0), b.size(-1)]
-    elif b.dim() == 2:
-        size = [a.size(1), b.size(1)]
-    else:
-        size = [a.size(0), a.size(1), b.size(-1)]
-    return torch.empty(size, dtype=out_dtype, device=a.device)
-
-
-_META_GAPS = {aten._grouped_mm.default: _grouped_mm_output}
-
-
-class _MetaGaps(TorchDispatchMode):
-    """Outputs for the few ops whose meta kernel refuses inputs the CPU kernel accepts (`_META_GAPS`)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _SHORTCUTS:
-            return _SHORTCUTS[func](func, args, kwargs)
-        fill = _META_GAPS.get(func)
-        out = fill(args, kwargs) if fill is not None else None
-        return func(*args, **kwargs) if out is None else out
 
 
 # --- the recorder -------------------------------------------------------------------------------
@@ -257,12 +166,12 @@ class _Dispatch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         rec = self.rec
-        if func is _RECORD_FUNCTION_ENTER and rec._intercept_marks:
+        if func is RECORD_FUNCTION_ENTER and rec._intercept_marks:
             name = args[0] if args else None
             if isinstance(name, str) and name.startswith(timeline.PREFIX):
                 rec._marker(name[len(timeline.PREFIX) :])
-        if func in _SHORTCUTS:
-            return _SHORTCUTS[func](func, args, kwargs)
+        if func in SHORTCUTS:
+            return SHORTCUTS[func](func, args, kwargs)
         cal = rec._scratch(func, args, kwargs) if func in rec._hidden else None
         if cal is None and func is aten.native_batch_norm.default:
             cal = batch_norm_sizes(args)

@@ -1,0 +1,108 @@
+"""Ops the recording modes of measure/fake.py answer themselves (docs/design.md §3): `SHORTCUTS`
+(`tensor.device` and `record_function` ranges, answered as fake mode would, without dispatching them
+further), `MetaGaps` (outputs for ops whose meta kernel refuses what the CPU kernel runs) and
+`eager_hf_masks` (Hugging Face's eager mask path under fake tensors)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+aten = torch.ops.aten
+
+RECORD_FUNCTION_ENTER = torch.ops.profiler._record_function_enter_new.default
+RECORD_FUNCTION_EXIT = torch.ops.profiler._record_function_exit._RecordFunction
+# `tensor.device` under a dispatch mode: the most frequent op of a step (FSDP2 and autograd ask it
+# thousands of times), which allocates nothing
+DEVICE = torch.ops.prim.device.default
+
+
+def _device(func, args):
+    """`tensor.device` as FakeTensor answers it (fake_tensor.py), without dispatching it further."""
+    t = args[0]
+    if type(t) is FakeTensor and not t.fake_mode.in_kernel_invocation:
+        return t.fake_device
+    return func(*args)
+
+
+def _record_function(func, args, kwargs):
+    """A `record_function` range (FSDP2 opens one per hook) as the fake mode runs it (fake_impls.py),
+    without dispatching it further: the real op on entry, nothing on exit."""
+    if func is RECORD_FUNCTION_EXIT:
+        return None
+    with _disable_current_modes():
+        return func(*args, **kwargs)
+
+
+# ops the fake mode answers without fake tensors, answered here as it would (a third of a step's ops)
+SHORTCUTS = {DEVICE: lambda func, args, kwargs: _device(func, args), RECORD_FUNCTION_ENTER: _record_function, RECORD_FUNCTION_EXIT: _record_function}
+
+
+@contextlib.contextmanager
+def eager_hf_masks() -> Iterator[None]:
+    """Hugging Face models take a fake tensor for a sign of tracing (torch.export) and then build the
+    attention mask they skip in eager runs: `find_packed_sequence_indices` cannot read the position ids,
+    so every step would materialise a (batch, 1, T, T) mask and run attention with it (and repeat the
+    key/value heads of grouped-query attention instead of passing them as they are). A real run of
+    sequences that are not packed finds no packing and skips that mask; under fake tensors the position
+    ids are taken as not packed, as in that run (docs/design.md §3). Only while recording, and only
+    where transformers is already imported."""
+    import sys
+
+    masking = sys.modules.get("transformers.masking_utils")
+    find = getattr(masking, "find_packed_sequence_indices", None)
+    if find is None:
+        yield
+        return
+
+    def unpacked_if_fake(position_ids, *args, **kwargs):
+        if isinstance(position_ids, FakeTensor):
+            return None
+        return find(position_ids, *args, **kwargs)
+
+    masking.find_packed_sequence_indices = unpacked_if_fake
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = find
+
+
+# --- ops whose meta kernel rejects what the CPU kernel runs ------------------------------------------
+
+
+def _grouped_mm_output(args, kwargs) -> torch.Tensor | None:
+    """`aten._grouped_mm` (MoE experts in transformers): the meta kernel demands bf16 (CUDA's rule), the
+    CPU kernel takes any float dtype. Same output as the meta kernel's CPU branch, for any dtype."""
+    a, b = args[0], args[1]
+    offs = args[2] if len(args) > 2 else kwargs.get("offs")
+    out_dtype = (args[4] if len(args) > 4 else kwargs.get("out_dtype")) or a.dtype
+    if a.dtype == b.dtype == torch.bfloat16 or a.dtype != b.dtype or not a.is_floating_point():
+        return None  # the meta kernel's own checks apply
+    if a.dim() == 2 and b.dim() == 2:
+        size = [offs.size(0), a.size(0), b.size(1)]
+    elif a.dim() == 2:
+        size = [a.size(0), b.size(-1)]
+    elif b.dim() == 2:
+        size = [a.size(1), b.size(1)]
+    else:
+        size = [a.size(0), a.size(1), b.size(-1)]
+    return torch.empty(size, dtype=out_dtype, device=a.device)
+
+
+META_GAPS = {aten._grouped_mm.default: _grouped_mm_output}
+
+
+class MetaGaps(TorchDispatchMode):
+    """Outputs for the few ops whose meta kernel refuses inputs the CPU kernel accepts (`META_GAPS`)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in SHORTCUTS:
+            return SHORTCUTS[func](func, args, kwargs)
+        fill = META_GAPS.get(func)
+        out = fill(args, kwargs) if fill is not None else None
+        return func(*args, **kwargs) if out is None else out
