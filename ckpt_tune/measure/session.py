@@ -38,7 +38,23 @@ class Settings:
     attn: str = "sdpa"  # --attn for --hf-config
 
 
-def load(target: str | None, settings: Settings) -> loader.Target:
+def load(target: str | loader.Target | None, settings: Settings) -> loader.Target:
+    """The target a command works on: a `loader.Target` as it is (a framework integration's own build,
+    batch and loss functions), else the --hf-config model, else the target string resolved.
+
+    Raises:
+        CkptTuneError: no target at all, or a `loader.Target` given with settings that name another
+            one (`hf_config`, `batch_fn`, `loss_fn`).
+        TargetError: the target string cannot be resolved (loader.load_target).
+    """
+    if isinstance(target, loader.Target):
+        named = [k for k in ("hf_config", "batch_fn", "loss_fn") if getattr(settings, k)]
+        if named:
+            raise CkptTuneError(
+                f"a loaded target comes with its own functions; the settings also name {', '.join(named)}",
+                "leave hf_config, batch_fn and loss_fn unset in Settings when passing a loader.Target",
+            )
+        return target
     if settings.hf_config:
         from ckpt_tune.measure.hf import load_hf_target
 

@@ -1,7 +1,9 @@
 """`search`: the largest batch that fits a budget, with the cheapest verified checkpoint plan.
 
 The library call behind `ckpt-tune search`: load the target, record and solve with `Searcher`
-(searcher.py), turn an effective batch into micro-batch × accumulation, and return the plan.
+(searcher.py), turn an effective batch into micro-batch × accumulation, and return the plan. The target
+is a target string or a `loader.Target` built by the caller (a framework integration's own build, batch
+and loss functions).
 
     import ckpt_tune
     outcome = ckpt_tune.search("examples/gpt.py:build", vram="600MiB")
@@ -18,6 +20,7 @@ from torch import nn
 from ckpt_tune import vocab
 from ckpt_tune.errors import NoFitError
 from ckpt_tune.measure.device import Budget, parse_budget, resolve_device
+from ckpt_tune.measure.loader import Target
 from ckpt_tune.measure.session import Settings, build_runner, load, user_errors
 from ckpt_tune.plan.file import FULLY_SHARDED, Plan
 from ckpt_tune.tune.candidates import find_blocks
@@ -39,7 +42,7 @@ class SearchOutcome:
 
 
 def search(
-    target: str | None,
+    target: str | Target | None,
     vram: str,
     batch_size: int | None = None,
     target_batch: int | None = None,
@@ -53,6 +56,8 @@ def search(
 ) -> SearchOutcome:
     """Largest batch (or the given one) that fits `vram`, with the cheapest verified checkpoint plan.
 
+    `target`: a target string (docs/design.md §2), a `loader.Target` whose `build_fn`, `batch_fn` and
+    `loss_fn` are used as they are (its `spec` is the plan's `target`), or None with `settings.hf_config`.
     `segments`: also consider runs of consecutive blocks under one checkpoint (ckpt_tune/plan/segment.py).
     `candidates`: the kinds of choice the planner may use (vocab.CANDIDATES; None: all)."""
     t0 = time.perf_counter()
