@@ -17,7 +17,8 @@ import resource
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ckpt_tune.measure.runner import Measurement, StepRunner, Timing
+from ckpt_tune.measure.runner import Measurement, StepRunner
+from ckpt_tune.measure.timing import Timing
 from ckpt_tune.units import format_bytes
 
 # Fraction of the free bytes a real step may use: the profiler's own event buffers, allocator caching

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ckpt_tune.measure.runner import Measurement, StepRunner, StepSettings, Timing
+from ckpt_tune.measure.runner import Measurement, StepRunner, StepSettings
 from ckpt_tune.measure.tensors import unique_bytes
+from ckpt_tune.measure.timing import Timing
 
 OUTSIDE = "(outside the model)"
 

@@ -28,6 +28,7 @@ from ckpt_tune.measure import fake, fake_inputs
 from ckpt_tune.measure.instrument import ForwardClock, Instrument
 from ckpt_tune.measure.tensors import local_tensor, unique_bytes
 from ckpt_tune.measure.timeline import Recorder, Timeline, mark
+from ckpt_tune.measure.timing import Timing, iteration_flops
 from ckpt_tune.plan import apply as plan_apply
 from ckpt_tune.plan.entry import Entry, entries_of
 
@@ -368,7 +369,6 @@ class StepRunner:
         steps.sort()
         return Timing(batch_size, entries_of(checkpoint), steps[len(steps) // 2], dict(clock.best))
 
-
     def _count_flops(self, batch_size: int, checkpoint: Sequence) -> Timing:
         """Under fake tensors wall time means nothing: count FLOPs instead (1 GFLOP reported as 1 "ms").
 
@@ -379,35 +379,9 @@ class StepRunner:
         return Timing(batch_size, entries_of(checkpoint), max(step[None], 1e-9), forward, unit="GFLOP")
 
     def count_flops(self, batch_size: int) -> tuple[dict[str, float], dict[str | None, float]]:
-        """GFLOP per module of one forward, and of one whole iteration (forward, backward, optimizer
-        step; key None: the iteration's total). The iteration's per-module figures let the search add
-        back the share of blocks it left out of a shortened chain (tune/repeats.py)."""
-        from torch.utils.flop_counter import FlopCounterMode
-
-        root = type(self.model).__name__
-
-        def per_module(fc) -> dict:
-            out: dict = {}
-            for key, ops in fc.get_flop_counts().items():
-                if key == root or key.startswith(root + "."):
-                    out[key[len(root) + 1 :] if key != root else ""] = sum(ops.values()) / 1e9
-            return out
-
-        forward: dict = {}
-        # one iteration: the forward's counts are read when its loss exists, the whole step's at the end
-        with self._ctx(), FlopCounterMode(display=False) as step:
-            self.iteration(batch_size, after_forward=lambda: forward.update(per_module(step)))
-        total = sum(sum(ops.values()) for key, ops in step.get_flop_counts().items() if key == "Global") / 1e9
-        return forward, {**per_module(step), None: total}
-
-
-@dataclass(frozen=True)
-class Timing:
-    batch_size: int
-    checkpoint: tuple[Entry, ...]
-    step_ms: float
-    forward_ms: dict[str, float]  # module name -> inclusive forward time (ms), fastest of the repeats
-    unit: str = "ms"  # "GFLOP" under fake tensors, where FLOPs stand in for time
+        """GFLOP per module of one forward, and of one whole iteration (`timing.iteration_flops`)."""
+        with self._ctx():
+            return iteration_flops(self.model, lambda after_forward: self.iteration(batch_size, after_forward=after_forward))
 
 
 def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:

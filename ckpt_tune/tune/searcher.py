@@ -24,8 +24,9 @@ import torch
 from ckpt_tune.errors import CkptTuneError, LimitationError, NoFitError, UserCodeError
 from ckpt_tune.measure.forked import fork_map
 from ckpt_tune.measure.op_costs import policy_ratios, recompute_shares
-from ckpt_tune.measure.runner import Measurement, StepRunner, Timing
+from ckpt_tune.measure.runner import Measurement, StepRunner
 from ckpt_tune.measure.tensors import unique_bytes
+from ckpt_tune.measure.timing import Timing
 from ckpt_tune.plan.entry import POLICIES, Entry, entries_of, member_names, to_data
 from ckpt_tune.plan.file import FULLY_SHARDED
 from ckpt_tune.plan.segment import available as segment_available
