@@ -534,3 +534,28 @@ def test_a_first_iteration_that_keeps_something_was_the_warm_up():
     first, steps = _recorded_steps(LazyCache, lambda b: (torch.randn(b, 64, generator=_gen()), torch.randint(0, 10, (b,), generator=_gen())))
     assert first == 2
     assert steps[0] == steps[1] == steps[2]
+
+
+def test_flops_are_named_from_the_root_when_the_loss_calls_submodules_directly():
+    """A loss that runs `model.blocks(x)` without the root's forward (a Lightning training_step) still
+    gets its FLOPs per module under the model's own names, which recompute pricing looks up."""
+    from torch import nn
+
+    from ckpt_tune.measure.timing import iteration_flops
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
+
+    model = Net()
+
+    def iteration(after_forward):
+        loss = model.blocks(torch.randn(4, 8)).sum()
+        after_forward()
+        loss.backward()
+
+    forward, step = iteration_flops(model, iteration)
+    assert forward["blocks.0"] == 2 * 4 * 8 * 16 / 1e9
+    assert forward["blocks.1"] == 2 * 4 * 16 * 8 / 1e9
+    assert step[None] > sum(forward.values())

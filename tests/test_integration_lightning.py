@@ -20,11 +20,7 @@ from ckpt_tune.measure.session import Settings, load  # noqa: E402
 from ckpt_tune.plan.apply import applied_names  # noqa: E402
 from tests.harness import measured_peak  # noqa: E402
 
-pytestmark = [
-    pytest.mark.usefixtures("one_torch_thread"),
-    # Lightning 2.6's own pytree helper trips torch 2.13's deprecation of LeafSpec: not ckpt-tune's
-    pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning"),
-]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 WIDTH, TOKENS, SAMPLES = 64, 16, 512
 BUDGET = "4MiB"

@@ -42,6 +42,12 @@ def iteration_flops(
 
     forward: dict = {}
     with FlopCounterMode(display=False) as step:
+        # name the model's modules from its root now: a loss that calls submodules without the root's
+        # forward (a Lightning training_step calling self.blocks) would otherwise have them named by
+        # their own class, and their counts would match no module of the plan
+        tracker = getattr(step, "mod_tracker", None)
+        if hasattr(tracker, "_get_mod_name"):
+            tracker._get_mod_name(model)
         iteration(lambda: forward.update(per_module(step)))
     total = sum(sum(ops.values()) for key, ops in step.get_flop_counts().items() if key == "Global") / 1e9
     return forward, {**per_module(step), None: total}
