@@ -45,6 +45,8 @@ def search(
     candidates: Annotated[str, typer.Option("--candidates", help="kinds of choice the planner may use, comma-separated: blocks (whole blocks and the stages holding them), submodules (a block's attention or MLP), segments (runs of blocks under one checkpoint), ops (op-level policies of a block: keep matmul outputs, recompute the rest); or all")] = "all",
     out: Annotated[Path | None, typer.Option("--out", help="write the plan YAML here")] = None,
     patch: Annotated[Path | None, typer.Option("--patch", help="write the patch snippet here")] = None,
+    emit: Annotated[str | None, typer.Option("--emit", help="torchtitan | deepspeed | hf-args: the closest configuration that launcher understands (TOML, JSON, TrainingArguments kwargs), what it cannot express and its measured peak; on stdout, or in --emit-out")] = None,
+    emit_out: Annotated[Path | None, typer.Option("--emit-out", help="write the --emit configuration here")] = None,
     as_json: Json = False,
 ) -> None:
     """The largest batch that fits VRAM and the cheapest verified checkpoint plan that reaches it."""
@@ -56,6 +58,7 @@ def search(
 
     settings = options.settings(device, precision, optimizer, batch_fn, loss_fn, hf_config, seq_len, attn)
     kinds = candidate_kinds(candidates)
+    launcher = _launcher(emit, emit_out, as_json)
     t0 = time.perf_counter()
     with report.progress("searching") as update:
         outcome = search_api.search(target, vram, batch_size=batch_size, target_batch=target_batch, margin=margin,
@@ -66,12 +69,16 @@ def search(
     snippet = patch_snippet(outcome.plan, hf=outcome.is_hf)
     report.render_search(outcome, plan_yaml, snippet, elapsed)
     options.say_attention(hf_config, attn, seq_len)
+    # measured before any file is written: a failing step leaves the user's files as they were
+    emitted = _emit(outcome.plan, launcher, target, settings) if launcher else None
     if out:
         write_plan(outcome.plan, out)
         report.err.print(f"plan written to {out}")
     if patch:
         patch.write_text(snippet)
         report.err.print(f"patch written to {patch}")
+    if emitted:
+        _write_emitted(emitted, emit_out)
     if as_json:
         res = outcome.result
         options.print_json({
@@ -85,4 +92,50 @@ def search(
             "stage_seconds": res.stage_seconds,
             "elapsed_s": round(elapsed, 2),
             "notes": res.notes,
+            **({"emit": emitted.to_dict()} if emitted else {}),
         })
+
+
+def _launcher(emit: str | None, emit_out: Path | None, as_json: bool) -> str | None:
+    """The --emit launcher, checked with --emit-out and --json before the search runs."""
+    from ckpt_tune.errors import CkptTuneError
+    from ckpt_tune.plan.launchers import LAUNCHERS
+    from ckpt_tune.vocab import known
+
+    if emit is None:
+        if emit_out is not None:
+            raise CkptTuneError("--emit-out names a file but no --emit launcher", f"add --emit {' | '.join(LAUNCHERS)}")
+        return None
+    if as_json and emit_out is None:
+        raise CkptTuneError(
+            "--emit without --emit-out prints the configuration on stdout, where --json prints its result",
+            "write the configuration to a file with --emit-out FILE, or leave out --json",
+        )
+    return known("launcher", emit, LAUNCHERS, "--emit")
+
+
+def _emit(plan, launcher: str, target, settings):
+    """The launcher's configuration for the plan, the closest layout's peak measured; its summary on stderr."""
+    from ckpt_tune.cli import render as report
+    from ckpt_tune.tune.launchers import emit
+
+    with report.progress(f"the closest {launcher} configuration") as update:
+        emitted = emit(plan, launcher, target, settings, progress=update)
+    report.err.print(emitted.summary, markup=False)
+    return emitted
+
+
+def _write_emitted(emitted, emit_out: Path | None) -> None:
+    """The configuration in `emit_out`, or on stdout."""
+    import sys
+
+    from ckpt_tune.cli import render as report
+    from ckpt_tune.errors import CkptTuneError
+    from ckpt_tune.yamlio import write
+
+    if emit_out is None:
+        sys.stdout.write(emitted.text)
+        return
+    what = f"{emitted.expressed.launcher} configuration"
+    write(emit_out, emitted.text, what, CkptTuneError)
+    report.err.print(f"{what} written to {emit_out}", markup=False)
