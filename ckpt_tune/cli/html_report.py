@@ -1,8 +1,10 @@
 """`diagnose --report report.html`: one self-contained HTML file (inline CSS and SVG, no script, no network).
 
 The memory timeline of the step (live bytes over time, the phases marked, the peak annotated with what
-is live), what is live at the peak by category and by module, the largest moment of each phase, the
-ranked remedies, and the reading of an OOM message when one was given. Pure: data in, a string out.
+is live), the same step stacked by part (plot.py's figure, inline SVG; left out, with a note, when
+matplotlib is not installed), what is live at the peak by category and by module, the largest moment of
+each phase, the ranked remedies, and the reading of an OOM message when one was given. Pure: data in, a
+string out.
 """
 
 from __future__ import annotations
@@ -10,23 +12,18 @@ from __future__ import annotations
 from html import escape
 from pathlib import Path
 
+from ckpt_tune.cli.plot import PART_COLORS, PHASE_FILL, byte_ticks, profile_svg
 from ckpt_tune.diagnosis import Diagnosis
 from ckpt_tune.diagnosis.oom import OomDiagnosis
+from ckpt_tune.errors import CkptTuneError
 from ckpt_tune.measure.profiler import OUTSIDE
 from ckpt_tune.units import format_bytes
 from ckpt_tune.vocab import Part
 
-COLORS = {
-    Part.PARAMS.value: "#4c78a8",
-    Part.GRADS.value: "#f58518",
-    Part.OPTIMIZER.value: "#e45756",
-    Part.ACTIVATIONS.value: "#54a24b",
-    Part.OTHER.value: "#b279a2",
-}
+COLORS = PART_COLORS
 # the parts' labels, "other" shortened to fit the peak callout's two columns
 LABELS = {p.value: p.label for p in Part} | {Part.OTHER.value: "batch, logits, temporaries"}
 HALO = ' stroke="#ffffff" stroke-width="3" paint-order="stroke"'  # text stays readable over the curve
-PHASE_FILL = {"make_batch": "#eeeeee", "forward + loss": "#e3eefa", "backward": "#fdecd9", "optimizer step": "#e5f3e1"}
 
 CSS = """
 body{font-family:-apple-system,'Segoe UI',Roboto,'Helvetica Neue',Arial,sans-serif;color:#1f2328;background:#f6f8fa;margin:0}
@@ -48,19 +45,6 @@ td{padding:6px 8px;border-bottom:1px solid #eaeef2;vertical-align:top} td.n{text
 
 def _fmt(n: int) -> str:
     return escape(format_bytes(int(n)))
-
-
-def _ticks(top: float, n: int = 5) -> list[float]:
-    """Tick values from 0 to `top`: at most n+1 round steps in the largest binary unit below `top`."""
-    unit = 1
-    while unit * 1024 <= top:
-        unit *= 1024
-    step = float(unit)
-    for mult in (0.1, 0.2, 0.25, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500):
-        step = unit * mult
-        if top / step <= n:
-            break
-    return [i * step for i in range(int(top // step) + 1)]
 
 
 def _per_gpu_curve(d: Diagnosis) -> bool:
@@ -100,7 +84,7 @@ def timeline_svg(d: Diagnosis, width: int = 1060, height: int = 380) -> str:
         short = label if x(b) - x(a) > 8 * len(label) else label.split()[-1] if x(b) - x(a) > 34 else ""
         if short:
             out.append(f'<text x="{(x(a) + x(b)) / 2:.1f}" y="{top - 8}" text-anchor="middle" font-size="12" fill="#57606a">{short}</text>')
-    for v in _ticks(ymax * 0.98):
+    for v in byte_ticks(ymax * 0.98):
         out.append(f'<line x1="{left}" x2="{left + pw}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#d8dee4" stroke-width="0.6"/>')
         out.append(f'<text x="{left - 6}" y="{y(v) + 4:.1f}" text-anchor="end" font-size="11" fill="#57606a">{_fmt(int(v))}</text>')
     for k in range(6):
@@ -189,6 +173,16 @@ def module_bars_svg(d: Diagnosis, top: int = 12, width: int = 1060) -> str:
     return "".join(out)
 
 
+def parts_figure(d: Diagnosis) -> str:
+    """The step's live bytes stacked by part (plot.profile_svg) in its own card; without matplotlib, a
+    note saying how to get it."""
+    try:
+        svg = profile_svg(d.profile, d.budget.usable_bytes if _per_gpu_curve(d) else None)
+    except CkptTuneError as e:
+        return f"<div class='muted'>The step by part is drawn with matplotlib: {escape(e.hint or '')}</div>"
+    return f"<h2>Memory by part over the step</h2><div class='card'>{svg}</div>"
+
+
 def _mini_bar(peak: int, budget: int, width: int = 120) -> str:
     scale = max(peak, budget) * 1.05 or 1
     bx, ok = width * peak / scale, peak <= budget
@@ -257,6 +251,7 @@ def render_html(d: Diagnosis | None, oom: OomDiagnosis | None = None) -> str:
             body.append(f"<div class='muted'>The curve is rank 0's step of {d.world_size}, recorded under {escape(d.shard)} "
                         "(a fake process group); the budget and the tables are per GPU.</div>")
         body.append(f"<div class='muted'>{escape(b.source)}; measured by {escape(d.profile.measured_by)}</div></div>")
+        body.append(parts_figure(d))
         p = d.peak
         parts = {k: getattr(p, k) for k in COLORS}
         legend = "".join(f"<span><i style='background:{COLORS[k]}'></i>{escape(LABELS[k])} {_fmt(v)}</span>" for k, v in parts.items())

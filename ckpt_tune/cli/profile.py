@@ -38,11 +38,17 @@ def profile(
     depth: Annotated[int | None, typer.Option(help="show subtrees down to this depth instead of own bytes")] = None,
     as_json: Json = False,
     save: Annotated[Path | None, typer.Option("--save", help="write the profile as YAML")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="draw the step's memory over time and the largest modules to this .png or .svg (needs ckpt-tune[plot])")] = None,
 ) -> None:
     """Per-module activation memory and the whole-step breakdown of one training iteration."""
     from ckpt_tune.cli import render as report
     from ckpt_tune.measure import session
 
+    if plot:  # a bad file name, or no matplotlib, is said before the step is recorded
+        from ckpt_tune.cli import plot as figures
+
+        figures.check_path(plot)
+        figures.require_matplotlib()
     settings = options.settings(device, precision, optimizer, batch_fn, loss_fn, hf_config, seq_len, attn)
     with report.progress("profiling") as _:
         prof = session.profile(target, batch_size=batch_size, settings=settings)
@@ -54,5 +60,8 @@ def profile(
 
         save.write_text(yaml.safe_dump(d, sort_keys=False))
         report.err.print(f"profile written to {save}")
+    if plot:
+        figures.profile_figure(prof, plot, top=top)
+        report.err.print(f"figure written to {plot}")
     if as_json:
         options.print_json(d)
