@@ -45,3 +45,35 @@ def test_target_batch_plan_fits_with_its_accumulation_steps():
         fx.build, fx.make_batch, fx.loss_fn, alone.batch_size, checkpoint=list(alone.checkpoint), accum_steps=3
     )
     assert over > budget
+
+
+def test_a_later_search_that_chooses_other_op_policies_forgets_what_was_measured_with_the_old_ones(monkeypatch):
+    """Which op policies are worth offering is timed, so the target batch's second search may offer
+    others than the first: terms and costs numbered by the old options are not reused (they once
+    ended in an IndexError in the frontier's solve)."""
+    import ckpt_tune.tune.searcher as searcher_module
+
+    fx = ZOO["vit_dropout"]
+    # every policy priced at half a block's recompute the first time it is timed (worth offering), then
+    # at a whole block's (not worth it): the timing a busy machine can give
+    calls = []
+
+    def ratios(runner, batch_size, units, policies, repeats=3):
+        calls.append(batch_size)
+        return {(u, p): 0.5 if len(calls) == 1 else 1.0 for u in units for p in policies}, {}
+
+    monkeypatch.setattr(searcher_module, "policy_ratios", ratios)
+    budget = measured_peak(fx.build, fx.make_batch, fx.loss_fn, 24)
+    with StepRunner(fx.build(), fx.make_batch, fx.loss_fn) as runner:
+        s = Searcher(runner, segments=False, candidates=frozenset({"blocks", "ops"}))
+        alone = s.search(budget)
+        first = s.options
+        again = s.search(budget)  # the same search, timed again: no op policy is worth it now
+        assert len(first) > len(s.options) == 2
+        # every term it solved on numbers the options it has now
+        assert s.terms(s.b1).k == s.terms(s.b2).k == s.terms(again.batch_size).k == len(s.options)
+        res = _fit_target_batch(s, alone, 2 * alone.batch_size, budget)
+        rows = s.frontier(budget, s.frontier_sizes(res.batch_size), s.b1, s.b2, res.batch_size)
+    assert rows and res.batch_size * res.grad_accum_steps == 2 * alone.batch_size
+    truth = measured_peak(fx.build, fx.make_batch, fx.loss_fn, again.batch_size, checkpoint=list(again.checkpoint))
+    assert again.verified_peak == truth <= budget

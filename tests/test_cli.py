@@ -185,3 +185,20 @@ def test_shell_completion_completes_commands_and_options():
     env.update(COMP_WORDS="ckpt-tune dia", COMP_CWORD="1")
     p = subprocess.run([str(Path(sys.executable).parent / "ckpt-tune")], capture_output=True, text=True, env=env, timeout=120)
     assert p.stdout.split() == ["diagnose"], p.stderr
+
+
+def test_an_error_in_ckpt_tunes_own_code_is_not_blamed_on_the_step():
+    from ckpt_tune.errors import LimitationError, UserCodeError
+    from ckpt_tune.measure.session import user_errors
+    from ckpt_tune.tune.planner import solve
+
+    with pytest.raises(LimitationError, match=r"its own code, not in your step: .*ckpt_tune/tune/planner.py:\d+"):
+        with user_errors("searching"):
+            solve(None, (), 0)  # the planner's arithmetic on nothing: an error of ours
+
+    def users_forward():
+        raise ValueError("shape mismatch in my model")
+
+    with pytest.raises(UserCodeError, match="the training step raised ValueError: shape mismatch"):
+        with user_errors("searching"):
+            users_forward()

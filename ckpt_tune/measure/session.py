@@ -11,17 +11,20 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from ckpt_tune.errors import CkptTuneError, UserCodeError
+from ckpt_tune.errors import CkptTuneError, LimitationError, UserCodeError
 from ckpt_tune.measure import loader
 from ckpt_tune.measure.device import resolve_device
 from ckpt_tune.measure.host import HostGuard
 from ckpt_tune.measure.loader import HOST_OOM, MISSING_KERNEL
 from ckpt_tune.measure.profiler import StepProfile, profile_model
 from ckpt_tune.measure.runner import StepRunner, StepSettings
+
+_PACKAGE = Path(__file__).resolve().parents[1]  # ckpt_tune/
 
 
 @dataclass(frozen=True)
@@ -100,10 +103,30 @@ def user_errors(what: str) -> Iterator[None]:
         ) from e
     except Exception as e:
         msg = str(e).splitlines()[0] if str(e) else ""
+        ours = _raised_in_ckpt_tune(e)
+        if ours is not None:
+            raise LimitationError(
+                f"ckpt-tune failed while {what}, in its own code, not in your step: {type(e).__name__}: {msg} ({ours})",
+                "this is ckpt-tune's bug: rerun with --debug for the traceback and report it",
+            ) from e
         raise UserCodeError(
             f"the training step raised {type(e).__name__}: {msg}",
             "run the step by hand to debug it, or rerun with --debug for the full traceback",
         ) from e
+
+
+def _raised_in_ckpt_tune(exc: BaseException) -> str | None:
+    """`file:line` of the innermost frame when it is ckpt-tune's own code (the error is then ours, not
+    the step's: docs/design.md §10), else None."""
+    tb = exc.__traceback__
+    if tb is None:
+        return None
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    path = Path(tb.tb_frame.f_code.co_filename).resolve()
+    if _PACKAGE not in path.parents:
+        return None
+    return f"{path.relative_to(_PACKAGE.parent)}:{tb.tb_lineno}"
 
 
 def build_runner(

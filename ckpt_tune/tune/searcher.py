@@ -259,7 +259,10 @@ class Searcher(ProbeSteps):
         # modules run more than once inside a unit: checkpointed at each call (a shared layer's loop)
         subs += [o for o in dict.fromkeys(self._repeats.values()) if o not in subs]
         policies = self._refinement("op policies", "every block", lambda: self._useful_policies(batch_size), []) if "ops" in self.candidates else []
-        self.options = ("none", "block", *subs, *(policy_option(p) for p in policies))
+        options = ("none", "block", *subs, *(policy_option(p) for p in policies))
+        if self.options != options:  # a later search chose others (timed op policies): nothing measured holds
+            self._forget_measured()
+        self.options = options
 
     def _refinement(self, what: str, where: str, run: Callable, instead):
         """`run()`, a refinement ckpt-tune adds to the user's step (docs/design.md §8): when it raises,
@@ -428,15 +431,19 @@ class Searcher(ProbeSteps):
         is no candidate: drop it and forget what was measured with it."""
         self._dropped.add(name)
         self.options = tuple(o for o in self.options if o != name)
+        self._forget_measured()
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        self.notes.append(f"option {name} dropped: its probe step failed ({type(error).__name__}: {first[:160]})")
+
+    def _forget_measured(self) -> None:
+        """The options changed: every term, cost and speculated plan numbered them as they were."""
         for cache in (*self._terms_by_kind.values(), *self._segments_by_kind.values()):
             cache.clear()
         self._short_cuts.clear()
         self._costs.clear()
-        self._speculated.clear()  # its choices number the options as they were
+        self._speculated.clear()
         self._first_predicted.clear()
         self._version += 1
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        self.notes.append(f"option {name} dropped: its probe step failed ({type(error).__name__}: {first[:160]})")
 
     def _restrict(self, t: Terms) -> Terms:
         """Without the "blocks" kind, no block is checkpointed whole (its terms stay in the model:
@@ -992,8 +999,10 @@ class Searcher(ProbeSteps):
         got = self._frontiers.get((self._kind, budget, tuple(batch_sizes), b1, b2, timed_at))
         if got is not None and got[1] == self._version and set(self._terms) - {timed_at} == got[2]:
             return list(got[0])
+        # probed here, before the solves are shared out, and before the costs are read: a probe that drops
+        # a failing option renumbers the options and clears the costs timed with it
+        self.terms(b1), self.terms(b2)
         costs, step = self.costs(timed_at), self.step_ms(timed_at)
-        self.terms(b1), self.terms(b2)  # probed here, before the solves are shared out
         # each batch's solve is pure arithmetic on recorded terms: under fake tensors, where a 70B's
         # loose budget at batch 1 makes a large DP, they are shared out over the cores (measure/forked.py)
         return fork_map(lambda b: self._row(b, budget, b1, b2, costs, step), batch_sizes, self._workers(len(batch_sizes)))
