@@ -199,7 +199,10 @@ def entry() -> None:
     try:
         main()
     finally:
-        gc.freeze()
+        # not where a nanobind extension is loaded (triton, which CUDA builds of torch bring and the
+        # profiler imports): its objects left to the exit are reported as leaks, dozens of lines on stderr
+        if "triton" not in sys.modules:
+            gc.freeze()
 
 
 if __name__ == "__main__":
