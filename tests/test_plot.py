@@ -95,6 +95,19 @@ def test_a_bad_plot_path_is_refused_before_the_step_runs(run, target, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_search_plot_through_the_cli(run, target, tmp_path):
+    png = tmp_path / "frontier.png"
+    code, _, err = run("search", target, "--device", "cpu", "--vram", "4MiB", "--candidates", "blocks", "--no-segments",
+                       "--plot", str(tmp_path / "frontier.pdf"))
+    assert code == 1 and ".png or .svg" in err and "searching" not in err  # refused before the search
+    code, out, err = run("search", target, "--device", "cpu", "--vram", "4MiB", "--candidates", "blocks", "--no-segments",
+                         "--plot", str(png), "--json")
+    assert code == 0, err
+    assert f"figure written to {png}" in err
+    assert png_size(png)[0] >= 1200 and png.stat().st_size > 40_000
+    assert json.loads(out)["plan"]["checkpoint"]
+
+
 def test_search_figure_of_a_real_search(target, tmp_path):
     out = ckpt_tune.search(target, vram="4MiB", settings=Settings(device="cpu"), segments=False, candidates=frozenset({"blocks"}))
     res = out.result

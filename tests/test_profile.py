@@ -137,3 +137,18 @@ def test_optimizer_state_bytes(optimizer, states):
     step = 4 * 4 if optimizer == "adam" else 0  # one fp32 step counter per parameter tensor
     assert prof.optimizer_bytes == states * prof.param_bytes + step
     assert prof.peak_bytes == measured_peak(fx.build, fx.make_batch, fx.loss_fn, 4, optimizer=optimizer)
+
+
+@pytest.mark.parametrize("name", ["mlp_blocks", "vit_dropout"])
+def test_the_timeline_split_into_parts_adds_up_and_its_largest_point_is_the_breakdown(name):
+    """`part_timeline` (what `profile --plot` stacks): each point's five parts sum to the live bytes of
+    the timeline's point, and at the peak they are the breakdown's parts."""
+    fx = ZOO[name]
+    prof = profile_model(fx.build(), fx.make_batch, fx.loss_fn, 8, scaling=False)
+    assert len(prof.part_timeline) == len(prof.timeline)
+    for (ms, live), (ms2, *parts) in zip(prof.timeline, prof.part_timeline):
+        assert ms == ms2 and sum(parts) == live and min(parts) >= 0
+    b = prof.breakdown
+    top = max(prof.part_timeline, key=lambda p: sum(p[1:]))
+    assert sum(top[1:]) == prof.peak_bytes
+    assert tuple(top[1:]) == (b.params, b.grads, b.optimizer, b.activations, b.other)

@@ -18,8 +18,8 @@ command that is not a usage form, so a real command is never skipped silently.
 Python blocks run in-process with `exec`, in a temporary directory holding a copy of `examples/` and the
 plan file the README shows (`plan.yaml`), the repository root on `sys.path`, and the names a README
 fragment takes from the user's code (`model`, `make_batch`, `loss_fn`: the bundled GPT example).
-Commands run as `python -m ckpt_tune …` in that directory; `--out`, `--patch`, `--report`, `--save`
-and `--baseline` paths are rewritten into it, so nothing is written into the repository.
+Commands run as `python -m ckpt_tune …` in that directory; `--out`, `--patch`, `--report`, `--save`,
+`--baseline`, `--plot` and `--emit-out` paths are rewritten into it, so nothing is written into the repository.
 
 The Llama-2-7B `--hf-config … --device meta` searches and the `--vram 24GB` searches on CPU (whose
 large steps are recorded under fake tensors) take minutes each: they are marked `heavy`, left out of
@@ -47,7 +47,7 @@ README = REPO / "README.md"
 DOCS = [README, *sorted(p for p in (REPO / "docs").glob("*.md") if p.name not in ("design.md", "cli.md"))]
 
 # options whose value is a file the command writes: rewritten into the test's directory
-OUTPUT_OPTIONS = ("--out", "--patch", "--report", "--save", "--baseline")
+OUTPUT_OPTIONS = ("--out", "--patch", "--report", "--save", "--baseline", "--plot", "--emit-out")
 # a --vram above this, on a device that allocates for real (not meta), is not run in the fast set
 FAST_BUDGET_BYTES = 2 * 2**30
 SUBCOMMANDS = ("profile", "search", "check", "diagnose")

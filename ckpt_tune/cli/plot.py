@@ -118,7 +118,7 @@ def profile_svg(prof: StepProfile, budget: int | None = None) -> str:
 def part_series(prof: StepProfile) -> list[tuple[str, str, list[int]]] | None:
     """(label, colour, bytes per timeline point) bottom to top, from the profile's split of its
     timeline into the five parts; None when the profile keeps no such split."""
-    split = getattr(prof, "part_timeline", ())
+    split = prof.part_timeline
     if not split or len(split) != len(prof.timeline):
         return None
     order = list(Part)

@@ -47,6 +47,7 @@ def search(
     patch: Annotated[Path | None, typer.Option("--patch", help="write the patch snippet here")] = None,
     emit: Annotated[str | None, typer.Option("--emit", help="torchtitan | deepspeed | hf-args: the closest configuration that launcher understands (TOML, JSON, TrainingArguments kwargs), what it cannot express and its measured peak; on stdout, or in --emit-out")] = None,
     emit_out: Annotated[Path | None, typer.Option("--emit-out", help="write the --emit configuration here")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="draw the frontier, the baselines and the plan to this .png or .svg (needs ckpt-tune[plot])")] = None,
     as_json: Json = False,
 ) -> None:
     """The largest batch that fits VRAM and the cheapest verified checkpoint plan that reaches it."""
@@ -59,6 +60,11 @@ def search(
     settings = options.settings(device, precision, optimizer, batch_fn, loss_fn, hf_config, seq_len, attn)
     kinds = candidate_kinds(candidates)
     launcher = _launcher(emit, emit_out, as_json)
+    if plot:  # a bad file name, or no matplotlib, is said before the search runs
+        from ckpt_tune.cli import plot as figures
+
+        figures.check_path(plot)
+        figures.require_matplotlib()
     t0 = time.perf_counter()
     with report.progress("searching") as update:
         outcome = search_api.search(target, vram, batch_size=batch_size, target_batch=target_batch, margin=margin,
@@ -79,6 +85,9 @@ def search(
         report.err.print(f"patch written to {patch}")
     if emitted:
         _write_emitted(emitted, emit_out)
+    if plot:
+        figures.search_figure(outcome, plot)
+        report.err.print(f"figure written to {plot}")
     if as_json:
         res = outcome.result
         options.print_json({

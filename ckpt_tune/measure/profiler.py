@@ -91,6 +91,9 @@ class StepProfile:
     timeline: tuple[tuple[float, int], ...] = ()
     phases: dict[str, float] | None = None
     time_unit: str = "ms"  # of step_ms and modules' forward_ms: "ms", or "GFLOP" under fake tensors
+    # the timeline's points split into the five parts (vocab.Part order):
+    # (ms, params, grads, optimizer, activations, other); each point's parts sum to its live bytes
+    part_timeline: tuple[tuple[float, int, int, int, int, int], ...] = ()
 
     def to_dict(self, with_timeline: bool = False) -> dict[str, Any]:
         d = asdict(self)
@@ -98,6 +101,7 @@ class StepProfile:
         if not with_timeline:
             d.pop("timeline")
             d.pop("phases")
+            d.pop("part_timeline")
         return json.loads(json.dumps(d))  # plain lists, dicts, str, int, float: safe for YAML and JSON
 
 
@@ -115,6 +119,41 @@ def timeline_points(m: Measurement, max_points: int = 2000) -> tuple[tuple[tuple
         pts = kept
     phases = {k: (tl.marker(k) - t0) / 1e6 for k in ("iter", "batch", "loss", "backward", "step")}
     return tuple(((t - t0) / 1e6, v) for t, v in pts), phases
+
+
+def part_timeline(m: Measurement, max_points: int = 2000) -> tuple[tuple[float, int, int, int, int, int], ...]:
+    """`timeline_points`' points, each split into the five parts: (ms, params, grads, optimizer,
+    activations, other). Saved activations and gradients are told apart by allocation, as in
+    `live_at_peak`: a saved tensor's allocation is the one live at the end of forward, a gradient's the
+    one live at the end of backward; `other` is the rest of the live bytes."""
+    tl = m.timeline
+    t0, t_fwd, t_bwd = tl.marker("iter"), tl.marker("loss"), tl.marker("backward")
+    saved, grads = set(m.saved), set(m.grad_ptrs)
+    kind: dict[tuple[int, int], int] = {}  # (ptr, t_alloc) -> 0 saved activation, 1 gradient
+    for ptr, _size, a, b in tl.intervals():
+        if ptr in saved and a <= t_fwd < b:
+            kind[(ptr, a)] = 0
+        elif ptr in grads and a <= t_bwd < b:
+            kind[(ptr, a)] = 1
+    held: dict[int, tuple[int, int]] = {}  # ptr -> (kind, bytes) of an open allocation counted
+    sums = [0, 0]
+    pts: list[tuple[float, int, int, int]] = []  # (t, live, activations, grads) after each event
+    for t, d, p, v in zip(tl.times, tl.deltas, tl.ptrs, tl.live, strict=True):
+        if d > 0 and (p, t) in kind:
+            held[p] = (kind[(p, t)], d)
+            sums[kind[(p, t)]] += d
+        elif d < 0 and p in held:
+            k, n = held.pop(p)
+            sums[k] -= n
+        if t >= t0:
+            pts.append((t, m.static_bytes + v, sums[0], sums[1]))
+    if len(pts) > max_points:  # the same thinning as timeline_points: the largest point of each chunk
+        step = len(pts) / max_points
+        pts = [max(pts[int(k * step): int((k + 1) * step)] or pts[-1:], key=lambda q: q[1]) for k in range(max_points)]
+    return tuple(
+        ((t - t0) / 1e6, m.param_bytes, g, m.optimizer_bytes, a, v - m.param_bytes - m.optimizer_bytes - g - a)
+        for t, v, a, g in pts
+    )
 
 
 def profile_model(
@@ -285,4 +324,5 @@ def build_profile(
         device_total_bytes=total_mem,
         timeline=points,
         phases=phases,
+        part_timeline=part_timeline(m),
     )
