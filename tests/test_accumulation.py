@@ -74,6 +74,7 @@ def test_a_later_search_that_chooses_other_op_policies_forgets_what_was_measured
         assert s.terms(s.b1).k == s.terms(s.b2).k == s.terms(again.batch_size).k == len(s.options)
         res = _fit_target_batch(s, alone, 2 * alone.batch_size, budget)
         rows = s.frontier(budget, s.frontier_sizes(res.batch_size), s.b1, s.b2, res.batch_size)
-    assert rows and res.batch_size * res.grad_accum_steps == 2 * alone.batch_size
+    assert rows
+    assert res.batch_size * res.grad_accum_steps == 2 * alone.batch_size
     truth = measured_peak(fx.build, fx.make_batch, fx.loss_fn, again.batch_size, checkpoint=list(again.checkpoint))
     assert again.verified_peak == truth <= budget

@@ -82,7 +82,8 @@ def test_profile_json_matches_allocator(tmp_path):
     assert "peak" in p.stderr
     # nothing after the answer: no report of objects left to the interpreter's exit (nanobind's, where
     # triton is installed, as it is beside CUDA builds of torch)
-    assert "leaked" not in p.stderr and "nanobind" not in p.stderr
+    assert "leaked" not in p.stderr
+    assert "nanobind" not in p.stderr
 
 
 def test_search_writes_a_plan_that_fits_when_applied_independently(tmp_path):

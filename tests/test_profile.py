@@ -147,7 +147,9 @@ def test_the_timeline_split_into_parts_adds_up_and_its_largest_point_is_the_brea
     prof = profile_model(fx.build(), fx.make_batch, fx.loss_fn, 8, scaling=False)
     assert len(prof.part_timeline) == len(prof.timeline)
     for (ms, live), (ms2, *parts) in zip(prof.timeline, prof.part_timeline):
-        assert ms == ms2 and sum(parts) == live and min(parts) >= 0
+        assert ms == ms2
+        assert sum(parts) == live
+        assert min(parts) >= 0
     b = prof.breakdown
     top = max(prof.part_timeline, key=lambda p: sum(p[1:]))
     assert sum(top[1:]) == prof.peak_bytes
