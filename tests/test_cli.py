@@ -172,7 +172,8 @@ def test_ctrl_c_exits_130_with_one_line(tmp_path):
                           "--out", "plan.yaml"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 120
     while not (tmp_path / "started").exists():
-        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        assert p.poll() is None, p.communicate()
+        assert time.monotonic() < deadline
         time.sleep(0.1)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=60)
@@ -196,13 +197,12 @@ def test_an_error_in_ckpt_tunes_own_code_is_not_blamed_on_the_step():
     from ckpt_tune.measure.session import user_errors
     from ckpt_tune.tune.planner import solve
 
-    with pytest.raises(LimitationError, match=r"its own code, not in your step: .*ckpt_tune/tune/planner.py:\d+"):
-        with user_errors("searching"):
-            solve(None, (), 0)  # the planner's arithmetic on nothing: an error of ours
+    ours = r"its own code, not in your step: .*ckpt_tune/tune/planner.py:\d+"
+    with pytest.raises(LimitationError, match=ours), user_errors("searching"):
+        solve(None, (), 0)  # the planner's arithmetic on nothing: an error of ours
 
     def users_forward():
         raise ValueError("shape mismatch in my model")
 
-    with pytest.raises(UserCodeError, match="the training step raised ValueError: shape mismatch"):
-        with user_errors("searching"):
-            users_forward()
+    with pytest.raises(UserCodeError, match="the training step raised ValueError: shape mismatch"), user_errors("searching"):
+        users_forward()
