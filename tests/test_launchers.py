@@ -244,19 +244,9 @@ def test_training_arguments_take_the_kwargs_and_switch_the_layers_named(tmp_path
 
 
 @pytest.fixture
-def cli(monkeypatch, capsys):
-    from ckpt_tune.cli import main
-
+def cli(run, monkeypatch):
+    """conftest's in-process `run`, with no project configuration read."""
     monkeypatch.setenv("CKPT_TUNE_NO_CONFIG", "1")
-
-    def run(*args: str) -> tuple[int, str, str]:
-        capsys.readouterr()
-        with pytest.raises(SystemExit) as info:
-            main(list(args))
-        out = capsys.readouterr()
-        code = info.value.code
-        return (code if isinstance(code, int) else 0 if code is None else 1), out.out, out.err
-
     return run
 
 
