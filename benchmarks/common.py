@@ -320,16 +320,16 @@ def pct(x: float) -> str:
 # -- ckpt-tune's side ---------------------------------------------------------------------------------
 def tool_searcher(spec: str, device: str = "cpu"):
     """A ckpt_tune Searcher on a freshly built target, as `api.search` sets one up (entered runner)."""
-    from ckpt_tune.measure import loader
+    from ckpt_tune.measure import loader, user_code
     from ckpt_tune.measure.runner import StepRunner, StepSettings
     from ckpt_tune.tune.searcher import Searcher
 
     target = loader.load_target(spec)
-    model = loader.build_model(target).to(device)
+    model = user_code.build_model(target).to(device)
     runner = StepRunner(
         model,
-        lambda b: loader.make_batch(target, b, device),
-        lambda m, batch: loader.compute_loss(target, m, batch),
+        lambda b: user_code.make_batch(target, b, device),
+        lambda m, batch: user_code.compute_loss(target, m, batch),
         StepSettings(device=device),
     )
     runner.__enter__()

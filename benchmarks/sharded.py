@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 import ckpt_tune  # noqa: E402
-from ckpt_tune.measure import loader  # noqa: E402
+from ckpt_tune.measure import loader, user_code  # noqa: E402
 from ckpt_tune.measure.runner import StepRunner  # noqa: E402
 from ckpt_tune.measure.session import Settings  # noqa: E402
 from ckpt_tune.plan.entry import to_data  # noqa: E402
@@ -75,8 +75,8 @@ def measured(target, units, batch: int, world_size: int, shard: str, checkpoint)
             return make_opt(params) if shard == "zero1" else torch.optim.AdamW(params, lr=0.0)
 
         return sharded_worker.measured_peak(
-            lambda: loader.build_model(target), lambda b: loader.make_batch(target, b),
-            lambda m, b: loader.compute_loss(target, m, b), batch, wrap, make_optimizer,
+            lambda: user_code.build_model(target), lambda b: user_code.make_batch(target, b),
+            lambda m, b: user_code.compute_loss(target, m, b), batch, wrap, make_optimizer,
         )
     finally:
         dist.destroy_process_group()
@@ -85,8 +85,8 @@ def measured(target, units, batch: int, world_size: int, shard: str, checkpoint)
 def single_device(spec: str, batch: int):
     """One device's terms, state bytes and blocks (what the arithmetic divides)."""
     target = loader.load_target(spec)
-    runner = StepRunner(loader.build_model(target), lambda b: loader.make_batch(target, b),
-                        lambda m, b: loader.compute_loss(target, m, b))
+    runner = StepRunner(user_code.build_model(target), lambda b: user_code.make_batch(target, b),
+                        lambda m, b: user_code.compute_loss(target, m, b))
     with runner:
         s = Searcher(runner, candidates=frozenset({"blocks"}))
         s.order_units(batch)

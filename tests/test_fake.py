@@ -21,7 +21,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from ckpt_tune.errors import CkptTuneError, UserCodeError
-from ckpt_tune.measure import fake, fake_inputs, loader, timeline
+from ckpt_tune.measure import fake, fake_inputs, loader, timeline, user_code
 from ckpt_tune.measure.fake import FakeModeError, FakeRecorder, fake_storage_key
 from ckpt_tune.measure.timeline import mark
 from tests import harness
@@ -342,7 +342,7 @@ def test_hf_llama_tied_embeddings_stay_tied(tmp_path, tied):
     assert isinstance(batch["input_ids"], FakeTensor)
     assert batch["input_ids"].shape == (2, 16)
     with fake.running():
-        loss = loader.compute_loss(target, model, batch)
+        loss = user_code.compute_loss(target, model, batch)
         loss.backward()
     assert model.lm_head.weight.grad.shape == (128, 32)
 
@@ -434,7 +434,7 @@ def test_data_dependent_model_raises_fake_mode_error(model_cls, op):
     batch = fake_inputs.fake_batch_fn(target, "cpu")(2)
     # loader wraps the failure in a UserCodeError; running() and FakeRecorder unwrap it
     with pytest.raises(FakeModeError) as info, fake.running(), FakeRecorder("cpu"):
-        loader.compute_loss(target, model, batch)
+        user_code.compute_loss(target, model, batch)
     err = info.value
     assert isinstance(err, CkptTuneError)
     assert err.message.startswith(f"fake tensors cannot run this model: {op}")
@@ -467,7 +467,7 @@ def test_llama_7b_builds_and_steps_under_fake_mode_in_little_memory():
     batch_fn = fake_inputs.fake_batch_fn(target, "cuda")
     with fake.running(), FakeRecorder("cuda") as rec:
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = loader.compute_loss(target, model, batch_fn(1))
+            loss = user_code.compute_loss(target, model, batch_fn(1))
         loss.backward()
         opt.step()
     assert sum(st["exp_avg"].untyped_storage().nbytes() for st in opt.state.values()) == 4 * n

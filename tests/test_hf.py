@@ -13,7 +13,8 @@ import torch
 
 from ckpt_tune.errors import TargetError
 from ckpt_tune.measure.hf import hf_model_info, load_hf_target
-from ckpt_tune.measure.loader import build_model, compute_loss, load_target, make_batch
+from ckpt_tune.measure.loader import load_target
+from ckpt_tune.measure.user_code import build_model, compute_loss, make_batch
 
 pytestmark = pytest.mark.hf
 

@@ -267,7 +267,7 @@ def test_emit_options_refused_before_the_search(cli, tmp_path, extra, words):
 
 
 def test_search_emits_hf_args_with_the_measured_peak(cli, tmp_path):
-    from ckpt_tune.measure import loader
+    from ckpt_tune.measure import user_code
     from ckpt_tune.measure.hf import load_hf_target
     from tests.harness import measured_peak
 
@@ -302,6 +302,6 @@ def test_search_emits_hf_args_with_the_measured_peak(cli, tmp_path):
     def switch(model):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=gc_kwargs, every_n_layers=every)
 
-    peak = measured_peak(t.build_fn, t.batch_fn, lambda m, b: loader.compute_loss(t, m, b), 4, wrap=switch)
+    peak = measured_peak(t.build_fn, t.batch_fn, lambda m, b: user_code.compute_loss(t, m, b), 4, wrap=switch)
     assert int(found.group(1)) == peak == result["peak_bytes"]
     assert (found.group(2) == "fits") is (peak <= int(1.1 * (1 << 20)))

@@ -11,14 +11,12 @@ import torch
 from torch import nn
 
 from ckpt_tune.errors import TargetError, UserCodeError
-from ckpt_tune.measure.loader import (
-    DEFAULT_LOSS_RULE,
-    Target,
+from ckpt_tune.measure.loader import DEFAULT_LOSS_RULE, Target, load_target
+from ckpt_tune.measure.user_code import (
     build_model,
     call_model,
     compute_loss,
     default_loss,
-    load_target,
     make_batch,
     move_to,
 )

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from ckpt_tune.measure import fake_inputs, loader
+from ckpt_tune.measure import fake_inputs, loader, user_code
 from ckpt_tune.measure.runner import StepRunner, StepSettings
 from ckpt_tune.measure.sharded import ShardedRunner, ShardingError, fake_process_group
 from tests import sharded_worker as w
@@ -133,7 +133,7 @@ def test_fake_tensors_record_the_sharded_step_as_the_cpu_does():
     t = loader.load_target(str(HERE / "sharded_worker.py") + ":build")
 
     def loss(m, b):
-        return loader.compute_loss(t, m, b)
+        return user_code.compute_loss(t, m, b)
 
     for shard in ("fsdp", "zero1"):
         # no plan: a checkpoint region stashes the CPU random state (5,056 B, a real tensor even under
@@ -219,7 +219,7 @@ def test_fake_optimizer_step_on_local_shards_equals_dtensors(shard, monkeypatch)
         fake = fake_inputs.build_fake_model(t)
         settings = StepSettings(device="meta", precision="bf16-mixed")  # foreach, as on CUDA
         with ShardedRunner(
-            fake, fake_inputs.fake_batch_fn(t), lambda m, b: loader.compute_loss(t, m, b), settings,
+            fake, fake_inputs.fake_batch_fn(t), lambda m, b: user_code.compute_loss(t, m, b), settings,
             world_size=4, shard=shard, units=w.UNITS,
         ) as r:
             m = r.measure(w.BATCH, units=w.UNITS)
@@ -240,7 +240,7 @@ def test_fake_first_sharded_iteration_is_recorded_as_the_steady_one(shard):
     fake = fake_inputs.build_fake_model(t)
     settings = StepSettings(device="meta", precision="bf16-mixed")
     with ShardedRunner(
-        fake, fake_inputs.fake_batch_fn(t), lambda m, b: loader.compute_loss(t, m, b), settings,
+        fake, fake_inputs.fake_batch_fn(t), lambda m, b: user_code.compute_loss(t, m, b), settings,
         world_size=4, shard=shard, units=w.UNITS,
     ) as r:
         first, second = (r.measure(w.BATCH, units=w.UNITS) for _ in range(2))

@@ -356,7 +356,7 @@ def _assert(res: CheckResult) -> CheckResult:
 def _profile_module(
     model, make_batch, loss_fn, batch_size, device, precision, optimizer, checkpoint, world_size=1, shard="none"
 ) -> StepProfile:
-    from ckpt_tune.measure import loader
+    from ckpt_tune.measure import user_code
     from ckpt_tune.measure.device import resolve_device
     from ckpt_tune.measure.profiler import profile_model
     from ckpt_tune.measure.runner import StepSettings
@@ -367,10 +367,10 @@ def _profile_module(
     model.to(dev)
 
     def batch_fn(b: int):
-        return loader.move_to(make_batch(b), dev)
+        return user_code.move_to(make_batch(b), dev)
 
     def loss(m, batch):
-        return loss_fn(m, batch) if loss_fn is not None else loader.default_loss(loader.call_model(m, batch))
+        return loss_fn(m, batch) if loss_fn is not None else user_code.default_loss(user_code.call_model(m, batch))
 
     step = StepSettings(dev, precision, optimizer)
     runner = None

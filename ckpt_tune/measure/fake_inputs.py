@@ -13,7 +13,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ckpt_tune.measure import loader
+from ckpt_tune.measure import loader, user_code
 from ckpt_tune.measure.fake import fake_errors, fake_mode, note_new, running
 
 
@@ -138,7 +138,7 @@ def build_fake_model(target: loader.Target) -> nn.Module:
     rejection sampling (`nn.init.trunc_normal_`).
     """
     with fake_errors(), _meta_registration():
-        model = loader.build_model(target)
+        model = user_code.build_model(target)
     _fakeify_module(model)
     return model
 
@@ -153,7 +153,7 @@ def fake_batch_fn(target: loader.Target, device: str = "cpu") -> Callable[[int],
 
     def batch_fn(batch_size: int) -> Any:
         with running():
-            batch = loader.make_batch(target, batch_size, "cpu")
+            batch = user_code.make_batch(target, batch_size, "cpu")
         fake = to_fake(batch)
         if fake is not batch:
             note_new(fake)

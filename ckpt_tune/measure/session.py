@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ckpt_tune.errors import CkptTuneError, LimitationError, UserCodeError
-from ckpt_tune.measure import loader
+from ckpt_tune.measure import loader, user_code
 from ckpt_tune.measure.device import resolve_device
 from ckpt_tune.measure.host import HostGuard
 from ckpt_tune.measure.loader import HOST_OOM, MISSING_KERNEL
@@ -147,15 +147,15 @@ def build_runner(
         model = fake_inputs.build_fake_model(target)
         batch_fn = fake_inputs.fake_batch_fn(target, "cpu")
     else:
-        model = loader.build_model(target)
+        model = user_code.build_model(target)
         with user_errors("moving the model"):
             model.to(device)
 
         def batch_fn(b):
-            return loader.make_batch(target, b, device)
+            return user_code.make_batch(target, b, device)
 
     def loss_fn(m, batch):
-        return loader.compute_loss(target, m, batch)
+        return user_code.compute_loss(target, m, batch)
 
     if sharded_engine(device, world_size):
         from ckpt_tune.measure.sharded import ShardedRunner

@@ -89,13 +89,13 @@ def fake_peak(m: Member, rules: str = "cpu") -> int:
     the check of fake mode itself against the CPU allocator. `rules="cuda"` is `--device meta`, which sizes
     a CUDA step (foreach AdamW temporaries, 512 B blocks, no CPU kernel scratch): it differs from the CPU
     allocator by design, and the zoo table reports that difference beside the check."""
-    from ckpt_tune.measure import fake_inputs, loader
+    from ckpt_tune.measure import fake_inputs, loader, user_code
     from ckpt_tune.measure.runner import StepRunner, StepSettings
 
     target = loader.load_target(m.path_spec)
     runner = StepRunner(
         fake_inputs.build_fake_model(target), fake_inputs.fake_batch_fn(target, "cpu"),
-        lambda model, batch: loader.compute_loss(target, model, batch), StepSettings(device="meta", fake_target=rules),
+        lambda model, batch: user_code.compute_loss(target, model, batch), StepSettings(device="meta", fake_target=rules),
     )
     with runner:
         return runner.measure(m.profile_batch).peak_bytes
