@@ -109,14 +109,7 @@ def timeline_points(m: Measurement, max_points: int = 2000) -> tuple[tuple[tuple
     """The live-byte curve of a measurement in ms from the iteration's start, thinned but peak-preserving."""
     tl = m.timeline
     t0 = tl.marker("iter")
-    pts = [(t, m.static_bytes + v) for t, v in zip(tl.times, tl.live, strict=False) if t >= t0]
-    if len(pts) > max_points:
-        step = len(pts) / max_points
-        kept = []
-        for k in range(max_points):
-            chunk = pts[int(k * step): int((k + 1) * step)] or pts[-1:]
-            kept.append(max(chunk, key=lambda p: p[1]))
-        pts = kept
+    pts = _thinned([(t, m.static_bytes + v) for t, v in zip(tl.times, tl.live, strict=False) if t >= t0], max_points)
     phases = {k: (tl.marker(k) - t0) / 1e6 for k in ("iter", "batch", "loss", "backward", "step")}
     return tuple(((t - t0) / 1e6, v) for t, v in pts), phases
 
@@ -147,13 +140,19 @@ def part_timeline(m: Measurement, max_points: int = 2000) -> tuple[tuple[float, 
             sums[k] -= n
         if t >= t0:
             pts.append((t, m.static_bytes + v, sums[0], sums[1]))
-    if len(pts) > max_points:  # the same thinning as timeline_points: the largest point of each chunk
-        step = len(pts) / max_points
-        pts = [max(pts[int(k * step): int((k + 1) * step)] or pts[-1:], key=lambda q: q[1]) for k in range(max_points)]
     return tuple(
         ((t - t0) / 1e6, m.param_bytes, g, m.optimizer_bytes, a, v - m.param_bytes - m.optimizer_bytes - g - a)
-        for t, v, a, g in pts
+        for t, v, a, g in _thinned(pts, max_points)
     )
+
+
+def _thinned(pts: list[tuple], max_points: int) -> list[tuple]:
+    """At most `max_points` of `pts` ((t, live, ...) in time order): the largest live point of each of
+    `max_points` equal chunks, so the peak is kept. `timeline_points` and `part_timeline` thin alike."""
+    if len(pts) <= max_points:
+        return pts
+    step = len(pts) / max_points
+    return [max(pts[int(k * step): int((k + 1) * step)] or pts[-1:], key=lambda p: p[1]) for k in range(max_points)]
 
 
 def profile_model(
