@@ -94,6 +94,9 @@ SEGMENT_WORK = 640
 ONE_SAMPLE_FAILS = "more than 1 value per channel"
 # Plans with estimated segment terms verified per batch before segments not yet measured are dropped.
 SEGMENT_TRIALS = 4
+# Solves per batch in the plan-verify loop (tightenings, segment trials, dropped refinements together)
+# before the batch is taken as not fitting and the search tries one smaller, as after MAX_TIGHTENINGS.
+SOLVES_PER_BATCH = 4 * 8
 
 
 @dataclass(frozen=True)
@@ -877,14 +880,17 @@ class Searcher(ProbeSteps):
             b = batch_size
         room, tightened = budget, 0
         verified: dict[tuple[int, ...], int] = {}  # choice -> its measured peak, at batch b
-        trials = 0
-        for _ in range(4 * 8):
+        trials = solves = 0
+        # every pass solves at b, or gives b up; a batch has at most SOLVES_PER_BATCH solves and b only
+        # goes down, so the loop ends: with a verified plan, or no-fit at the smallest batch (or the given one)
+        while True:
             sol = solve(self.terms(b), self.costs(b), room)
-            if sol is None or tightened >= MAX_TIGHTENINGS:
+            if sol is None or tightened >= MAX_TIGHTENINGS or solves >= SOLVES_PER_BATCH:
                 if batch_size is None and b > b1:  # this batch does not fit after all: one smaller
-                    b, room, tightened, verified, trials = b - 1, budget, 0, {}, 0
+                    b, room, tightened, verified, trials, solves = b - 1, budget, 0, {}, 0, 0
                     continue
                 raise self._no_fit(budget, b, verified)
+            solves += 1
             rerun = sol.choice in verified  # solved again after its own run, on terms learned from it
             if not rerun:
                 self._first_predicted.setdefault((b, sol.choice), sol.peak)
@@ -921,7 +927,6 @@ class Searcher(ProbeSteps):
                 return res
             room = tighten(room, sol.peak, peak, budget)  # the model was optimistic here
             tightened += 1
-        raise self._no_fit(budget, b, verified)
 
     def _drop_refinements(self, choice: tuple[int, ...], error: BaseException) -> bool:
         """A plan failed when run: drop what it used beyond checkpointing whole blocks (its segments,
