@@ -101,9 +101,27 @@ def _sgd_momentum(params, foreach):
     return torch.optim.SGD(params, lr=0.0, momentum=0.9, foreach=foreach)
 
 
+def _bnb_adamw8bit(params, foreach, paged: bool = False):
+    try:
+        import bitsandbytes as bnb
+    except ImportError as exc:
+        from ckpt_tune.errors import CkptTuneError
+
+        raise CkptTuneError(
+            "the 8-bit optimizers are bitsandbytes', which is not installed here", "pip install bitsandbytes"
+        ) from exc
+    # bitsandbytes' defaults: 8-bit blockwise states for tensors of 4096 elements or more, fp32 below
+    cls = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
+    return cls(params, lr=0.0)
+
+
 _OPTIMIZER_LIST = (
     Optimizer("adamw", 2, "AdamW8bit", _adamw),
     Optimizer("adam", 2, "Adam8bit", _adam),
+    Optimizer("adamw-8bit", 2, None, _bnb_adamw8bit),
+    # paged: states of 1e5 elements or more in CUDA unified memory, counted on the device (their size
+    # while resident, the most they take); on the CPU bitsandbytes falls back to the unpaged optimizer
+    Optimizer("paged-adamw-8bit", 2, None, lambda params, foreach: _bnb_adamw8bit(params, foreach, paged=True)),
     Optimizer("sgd", 0, None, _sgd),
     Optimizer("sgd-momentum", 1, "SGD8bit", _sgd_momentum),
     Optimizer("none", 0, None, None),

@@ -19,8 +19,13 @@ from ckpt_tune.cli.options import (
     Device,
     HfConfig,
     Json,
+    LoraAlpha,
+    LoraDropout,
+    LoraR,
+    LoraTargets,
     LossFn,
     Optim,
+    Peft,
     Precision,
     SeqLen,
     TargetArg,
@@ -66,6 +71,11 @@ def check(
     hf_config: HfConfig = None,
     seq_len: SeqLen = 512,
     attn: Attn = "sdpa",
+    peft: Peft = None,
+    lora_r: LoraR = 16,
+    lora_alpha: LoraAlpha = 32,
+    lora_dropout: LoraDropout = 0.05,
+    lora_targets: LoraTargets = "all-linear",
     world_size: Annotated[
         int | None,
         typer.Option(
@@ -84,7 +94,8 @@ def check(
     from ckpt_tune import gate as ck
     from ckpt_tune.cli import render as report
 
-    settings = options.settings(device, precision, optimizer, batch_fn, loss_fn, hf_config, seq_len, attn)
+    settings = options.settings(device, precision, optimizer, batch_fn, loss_fn, hf_config, seq_len, attn,
+                                peft=options.peft_spec(peft, lora_r, lora_alpha, lora_dropout, lora_targets))
     with report.progress("measuring") as _:
         result = ck.run_check(
             target,

@@ -21,9 +21,14 @@ from ckpt_tune.cli.options import (
     Device,
     HfConfig,
     Json,
+    LoraAlpha,
+    LoraDropout,
+    LoraR,
+    LoraTargets,
     LossFn,
     Margin,
     Optim,
+    Peft,
     Precision,
     SeqLen,
     TargetArg,
@@ -50,6 +55,11 @@ def diagnose(
     hf_config: HfConfig = None,
     seq_len: SeqLen = 512,
     attn: Attn = "sdpa",
+    peft: Peft = None,
+    lora_r: LoraR = 16,
+    lora_alpha: LoraAlpha = 32,
+    lora_dropout: LoraDropout = 0.05,
+    lora_targets: LoraTargets = "all-linear",
     world_size: Annotated[
         int | None,
         typer.Option("--world-size", min=1, help="per GPU of a sharded run over N GPUs (cpu/meta: rank 0 recorded under the engine)"),
@@ -84,7 +94,8 @@ def diagnose(
     from ckpt_tune.diagnosis import diagnose as run
     from ckpt_tune.diagnosis import no_fit_error
 
-    settings = options.settings(device, precision, optimizer, batch_fn, loss_fn, hf_config, seq_len, attn)
+    settings = options.settings(device, precision, optimizer, batch_fn, loss_fn, hf_config, seq_len, attn,
+                                peft=options.peft_spec(peft, lora_r, lora_alpha, lora_dropout, lora_targets))
     with report.progress("diagnosing") as update:
         d = run(target, vram, batch_size=batch_size, margin=margin, settings=settings, world_size=world_size,
                 shard=shard, lora_rank=lora_rank, progress=update)

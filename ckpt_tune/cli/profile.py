@@ -15,8 +15,13 @@ from ckpt_tune.cli.options import (
     Device,
     HfConfig,
     Json,
+    LoraAlpha,
+    LoraDropout,
+    LoraR,
+    LoraTargets,
     LossFn,
     Optim,
+    Peft,
     Precision,
     SeqLen,
     TargetArg,
@@ -34,6 +39,11 @@ def profile(
     hf_config: HfConfig = None,
     seq_len: SeqLen = 512,
     attn: Attn = "sdpa",
+    peft: Peft = None,
+    lora_r: LoraR = 16,
+    lora_alpha: LoraAlpha = 32,
+    lora_dropout: LoraDropout = 0.05,
+    lora_targets: LoraTargets = "all-linear",
     top: Annotated[int, typer.Option(help="rows in the module table")] = 15,
     depth: Annotated[int | None, typer.Option(help="show subtrees down to this depth instead of own bytes")] = None,
     as_json: Json = False,
@@ -49,7 +59,8 @@ def profile(
 
         figures.check_path(plot)
         figures.require_matplotlib()
-    settings = options.settings(device, precision, optimizer, batch_fn, loss_fn, hf_config, seq_len, attn)
+    settings = options.settings(device, precision, optimizer, batch_fn, loss_fn, hf_config, seq_len, attn,
+                                peft=options.peft_spec(peft, lora_r, lora_alpha, lora_dropout, lora_targets))
     with report.progress("profiling") as _:
         prof = session.profile(target, batch_size=batch_size, settings=settings)
     report.render_profile(prof, top=top, depth=depth)

@@ -16,9 +16,14 @@ from ckpt_tune.cli.options import (
     Device,
     HfConfig,
     Json,
+    LoraAlpha,
+    LoraDropout,
+    LoraR,
+    LoraTargets,
     LossFn,
     Margin,
     Optim,
+    Peft,
     Precision,
     SeqLen,
     TargetArg,
@@ -39,6 +44,11 @@ def search(
     hf_config: HfConfig = None,
     seq_len: SeqLen = 512,
     attn: Attn = "sdpa",
+    peft: Peft = None,
+    lora_r: LoraR = 16,
+    lora_alpha: LoraAlpha = 32,
+    lora_dropout: LoraDropout = 0.05,
+    lora_targets: LoraTargets = "all-linear",
     world_size: Annotated[int, typer.Option("--world-size", min=1, help="GPUs of a sharded data-parallel run: plan per GPU")] = 1,
     shard: Annotated[str, typer.Option("--shard", help="none | zero1 | zero2 | zero3 | fsdp: what is divided by --world-size")] = "none",
     segments: Annotated[bool, typer.Option("--segments/--no-segments", help="also plan runs of consecutive blocks under one checkpoint (--no-segments: one checkpoint per module, e.g. for FSDP wrapped per block)")] = True,
@@ -57,7 +67,8 @@ def search(
     from ckpt_tune.tune import search as search_api
     from ckpt_tune.vocab import candidate_kinds
 
-    settings = options.settings(device, precision, optimizer, batch_fn, loss_fn, hf_config, seq_len, attn)
+    settings = options.settings(device, precision, optimizer, batch_fn, loss_fn, hf_config, seq_len, attn,
+                                peft=options.peft_spec(peft, lora_r, lora_alpha, lora_dropout, lora_targets))
     kinds = candidate_kinds(candidates)
     launcher = _launcher(emit, emit_out, as_json)
     if plot:  # a bad file name, or no matplotlib, is said before the search runs

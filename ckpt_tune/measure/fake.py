@@ -43,18 +43,18 @@ from ckpt_tune.measure import timeline
 from ckpt_tune.measure.fake_ops import RECORD_FUNCTION_ENTER, SHORTCUTS, MetaGaps, eager_hf_masks
 from ckpt_tune.measure.scratch import (
     CPU_SCRATCH_OPS,
+    CUDA_BLOCK_ROUND,
     CUDA_WORKSPACE_OPS,
     Scratch,
     batch_norm_sizes,
+    bnb_cuda_scratch,
+    bnb_scratch_ops,
     calibrated,
 )
 from ckpt_tune.measure.timeline import Timeline
 
 aten = torch.ops.aten
 
-# CUDA caching allocator: every block is a multiple of kMinBlockSize = 512 bytes
-# (c10/cuda/CUDACachingAllocator.cpp, round_size).
-CUDA_BLOCK_ROUND = 512
 FAKE_HINT = "use --device cpu on a smaller config"
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 
@@ -217,6 +217,8 @@ class FakeRecorder:
         self._intercept_marks = not hasattr(timeline, "add_listener")
         # ops whose hidden memory is measured ("cpu") or counted as unmodelled ("cuda")
         self._hidden = {"cpu": CPU_SCRATCH_OPS, "cuda": CUDA_WORKSPACE_OPS}.get(self.device_type, frozenset())
+        if self.device_type in ("cpu", "cuda"):
+            self._hidden = self._hidden | bnb_scratch_ops()
         self._gc_was_enabled = False
 
     def __enter__(self) -> FakeRecorder:
@@ -308,6 +310,10 @@ class FakeRecorder:
         """What func's kernel allocates beyond its outputs' storages, or None (and counted) if unknown."""
         if self.device_type == "cpu":
             found = calibrated(func, args, kwargs)
+            if found is not None:
+                return found
+        elif self.device_type == "cuda":
+            found = bnb_cuda_scratch(func, args, kwargs)
             if found is not None:
                 return found
         name = str(func).removesuffix(".default")

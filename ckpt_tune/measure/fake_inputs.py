@@ -13,7 +13,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ckpt_tune.measure import loader, user_code
+from ckpt_tune.measure import loader, quantized, user_code
 from ckpt_tune.measure.fake import fake_errors, fake_mode, note_new, running
 
 
@@ -129,6 +129,32 @@ def _meta_registration() -> Iterator[None]:
         made.clear()
 
 
+@contextlib.contextmanager
+def _device_moves_dropped() -> Iterator[None]:
+    """While open, `Module.to(device)`, `.cuda()` and `.cpu()` keep the module where it is (a dtype asked
+    for still applies): a model built on meta tensors for a fake step has no device to go to, and a copy
+    out of a meta tensor fails. A 4-bit weight, which bitsandbytes quantizes on that move, is quantized
+    on the meta device instead (quantized.quantize_on_meta)."""
+    real_to, real_cuda, real_cpu = nn.Module.to, nn.Module.cuda, nn.Module.cpu
+
+    def to(self, *args, **kwargs):
+        device, dtype, _non_blocking, _fmt = torch._C._nn._parse_to(*args, **kwargs)
+        if device is None or device.type == "meta":
+            return real_to(self, *args, **kwargs)
+        quantized.quantize_on_meta(self)
+        return self if dtype is None else real_to(self, dtype)
+
+    def stay(self, *args, **kwargs):
+        quantized.quantize_on_meta(self)
+        return self
+
+    nn.Module.to, nn.Module.cuda, nn.Module.cpu = to, stay, stay
+    try:
+        yield
+    finally:
+        nn.Module.to, nn.Module.cuda, nn.Module.cpu = real_to, real_cuda, real_cpu
+
+
 def build_fake_model(target: loader.Target) -> nn.Module:
     """The target's model with fake parameters and buffers, allocating nothing (docs/design.md §3).
 
@@ -137,9 +163,11 @@ def build_fake_model(target: loader.Target) -> nn.Module:
     that read a small tensor they computed (`torch.linspace(0, rate, n).tolist()`) or that initialise by
     rejection sampling (`nn.init.trunc_normal_`).
     """
-    with fake_errors(), _meta_registration():
+    with fake_errors(), _meta_registration(), _device_moves_dropped(), quantized.meta_quantization():
         model = user_code.build_model(target)
+    four_bit = quantized.weight_states(model)  # bitsandbytes' attributes on 4-bit weights, lost otherwise
     _fakeify_module(model)
+    quantized.restore_weight_states(four_bit)
     return model
 
 

@@ -6,7 +6,8 @@ with `labels` = `input_ids`, so the model returns its own causal-LM loss (`loss_
 
 Weights are built in float32 whatever the config's `torch_dtype` says: transformers 4.x ignores it in
 `from_config` and 5.x honours it, and precision is the profiler's decision (bf16-mixed keeps fp32
-master weights), not the config file's.
+master weights), not the config file's. With `--peft lora|qlora` the frozen base is bf16, as people load
+it, and measure/peft_model.py adds the adapters (and, for QLoRA, the 4-bit layers).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from ckpt_tune.errors import TargetError
 from ckpt_tune.measure.loader import Target
+from ckpt_tune.plan.finetune import PeftSpec
 
 # --attn value -> transformers' attn_implementation
 ATTN_IMPLEMENTATIONS = {"sdpa": "sdpa", "eager": "eager", "flash": "flash_attention_2"}
@@ -35,16 +37,22 @@ class HFBuild:
     config: Any  # transformers.PretrainedConfig, use_cache already False
     attn_implementation: str
     config_dtype: str | None  # the file's torch_dtype/dtype, for reports only
+    peft: PeftSpec | None = None  # LoRA / QLoRA on a frozen base (measure/peft_model.py); None: full fine-tuning
 
     def __call__(self) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
         # from_config records the attention choice on the config it is given: keep ours pristine.
         config = copy.deepcopy(self.config)
+        dtype = torch.float32 if self.peft is None else torch.bfloat16  # a peft base is loaded in bf16
         model = AutoModelForCausalLM.from_config(
-            config, attn_implementation=self.attn_implementation, **{_dtype_kwarg(): torch.float32}
+            config, attn_implementation=self.attn_implementation, **{_dtype_kwarg(): dtype}
         )
         model.config.use_cache = False  # a KV cache is dead weight in training and breaks checkpointing
+        if self.peft is not None:
+            from ckpt_tune.measure.peft_model import apply_peft
+
+            model = apply_peft(model, self.peft)
         return model.train()
 
 
@@ -91,8 +99,9 @@ def _read_config(path: Path) -> dict[str, Any]:
     return data
 
 
-def load_hf_target(config_path: str | Path, seq_len: int = 512, attn: str = "sdpa") -> Target:
-    """A Target that builds `AutoModelForCausalLM.from_config(<config_path>)` and feeds it random tokens."""
+def load_hf_target(config_path: str | Path, seq_len: int = 512, attn: str = "sdpa", peft: PeftSpec | None = None) -> Target:
+    """A Target that builds `AutoModelForCausalLM.from_config(<config_path>)` (with `peft`'s adapters)
+    and feeds it random tokens."""
     try:
         from transformers import AutoConfig
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -162,12 +171,16 @@ def load_hf_target(config_path: str | Path, seq_len: int = 512, attn: str = "sdp
         )
 
     class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    if peft is not None:
+        from ckpt_tune.measure.peft_model import require
+
+        require(peft)
     return Target(
         spec=f"hf:{config_path}",
         module_name="transformers",
         file_path=path,
         fn_name=f"{class_name}.from_config",
-        build_fn=HFBuild(config, ATTN_IMPLEMENTATIONS[attn], config_dtype),
+        build_fn=HFBuild(config, ATTN_IMPLEMENTATIONS[attn], config_dtype, peft),
         batch_fn=HFBatch(vocab_size, seq_len),
         loss_fn=None,
         batch_source=f"random token ids [batch, {seq_len}] from range({vocab_size}), labels = input_ids, seed {BATCH_SEED}",
@@ -194,4 +207,5 @@ def hf_model_info(target: Target) -> dict[str, Any]:
         "max_positions": getattr(config, "max_position_embeddings", None),
         "attn_implementation": target.build_fn.attn_implementation,
         "config_dtype": target.build_fn.config_dtype,
+        "peft": None if target.build_fn.peft is None else target.build_fn.peft.to_data(),
     }

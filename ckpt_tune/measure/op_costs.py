@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ckpt_tune.measure import quantized
 from ckpt_tune.plan.apply import cache_off
 from ckpt_tune.plan.policy import OpRule
 
@@ -99,6 +100,7 @@ def recompute_shares(runner, batch_size: int, units: Sequence[str], policies: Se
     if not policies or not units:
         return {}
     fake = runner.fake
+    quantized.register_flops()
     clock = _OpClock(policies, roofline=fake)
     model: nn.Module = runner.model
     handles = []

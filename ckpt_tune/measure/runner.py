@@ -20,11 +20,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._pytree import tree_map_only
 
 from ckpt_tune import vocab
 from ckpt_tune.errors import UserCodeError
-from ckpt_tune.measure import fake, fake_inputs
+from ckpt_tune.measure import fake, fake_inputs, quantized
 from ckpt_tune.measure.instrument import ForwardClock, Instrument
 from ckpt_tune.measure.tensors import local_tensor, unique_bytes
 from ckpt_tune.measure.timeline import Recorder, Timeline, mark
@@ -127,7 +128,10 @@ class StepRunner:
         # CUDA's optimizers default to foreach (one temporary per parameter, all at once); fake tensors
         # are CPU tensors, whose default is the per-parameter loop: ask for what the target would run
         foreach = True if self.fake and self.settings.fake_target == "cuda" else None
-        self.optimizer = vocab.optimizer(self.settings.optimizer).make(params, foreach)
+        # made outside the fake mode: bitsandbytes' 8-bit optimizers compute their quantization maps
+        # from Python numbers on real tensors when constructed (a 1 KiB table; the states come later)
+        with unset_fake_temporarily() if self.fake else contextlib.nullcontext():
+            self.optimizer = vocab.optimizer(self.settings.optimizer).make(params, foreach)
         if self.settings.precision == "fp16-mixed" and not self.fake:  # found_inf.item() is data-dependent
             self.scaler = torch.amp.GradScaler(self.device.type)
         # Each recorded step collects garbage first (timeline.Recorder). One full collection here, then
@@ -236,9 +240,10 @@ class StepRunner:
             self._warm = True
 
     def state_bytes(self) -> tuple[int, int, int]:
-        """(parameters + buffers, optimizer state, gradients) bytes, distinct storages."""
+        """(parameters + buffers + 4-bit weights' quantization state, optimizer state, gradients) bytes,
+        distinct storages."""
         m = self.model
-        param = unique_bytes([*m.parameters(), *m.buffers()])
+        param = unique_bytes([*m.parameters(), *m.buffers(), *quantized.state_tensors(m)])
         opt = unique_bytes(self.optimizer_state())
         grads = unique_bytes(p.grad for p in m.parameters() if p.grad is not None)
         return param, opt, grads

@@ -11,6 +11,8 @@ counted as unmodelled.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._pytree import tree_flatten, tree_map_only
@@ -51,6 +53,9 @@ CUDA_WORKSPACE_OPS = frozenset(
         aten.mkldnn_rnn_layer_backward.default,
     }
 )
+# CUDA caching allocator: every block is a multiple of kMinBlockSize = 512 bytes
+# (c10/cuda/CUDACachingAllocator.cpp, round_size).
+CUDA_BLOCK_ROUND = 512
 # Calibration runs the op for real: skip it (and count the op as unmodelled) above this many bytes of
 # real inputs, so a fake run never needs the memory it is meant to predict.
 CALIBRATE_LIMIT = 256 << 20
@@ -149,3 +154,36 @@ def batch_norm_sizes(args) -> Scratch | None:
         return None
     stats = x.shape[1] * weight.element_size() if args[5] else 0  # training: saved per channel
     return (None, stats, stats), 0
+
+
+# -- bitsandbytes 4-bit layers (measure/quantized.py) --------------------------------------------------
+
+
+def bnb_scratch_ops() -> frozenset:
+    """The bitsandbytes ops whose kernels allocate memory fake mode cannot see (none unless a model
+    imported bitsandbytes): `gemm_4bit`, a 4-bit layer's forward, dequantizes its weight inside."""
+    if "bitsandbytes" not in sys.modules:
+        return frozenset()
+    return frozenset({torch.ops.bitsandbytes.gemm_4bit.default})
+
+
+def _cuda_block(n: int) -> int:
+    return -(-n // CUDA_BLOCK_ROUND) * CUDA_BLOCK_ROUND
+
+
+def bnb_cuda_scratch(func, args, kwargs) -> Scratch | None:
+    """`gemm_4bit`'s scratch on CUDA: the weight dequantized to the activation's dtype and the fp32 absmax,
+    each a block of the caching allocator. bitsandbytes 0.50 takes this dequantize-then-`linear` path
+    above 1536 rows (M = batch x tokens), where training steps run; below it a fused kernel that may
+    dequantize nothing, sized here as the same path (an upper bound). None for any other op."""
+    if func not in bnb_scratch_ops():
+        return None
+    a, shape = args[0], args[2]
+    n_out, n_in = int(shape[0]), int(shape[1])
+    absmax_8bit = kwargs.get("absmax_8bit")
+    nested = isinstance(absmax_8bit, torch.Tensor)
+    blocks = (absmax_8bit if nested else args[3]).numel()
+    held = _cuda_block(blocks * 4) + _cuda_block(n_out * n_in * a.element_size())
+    # double quantization: the dequantized absmax and the offset added to it are alive together first
+    first = 2 * _cuda_block(blocks * 4) if nested else 0
+    return (None,), max(held, first)

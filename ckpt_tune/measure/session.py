@@ -23,6 +23,7 @@ from ckpt_tune.measure.host import HostGuard
 from ckpt_tune.measure.loader import HOST_OOM, MISSING_KERNEL
 from ckpt_tune.measure.profiler import StepProfile, profile_model
 from ckpt_tune.measure.runner import StepRunner, StepSettings
+from ckpt_tune.plan.finetune import PeftSpec
 
 _PACKAGE = Path(__file__).resolve().parents[1]  # ckpt_tune/
 
@@ -39,6 +40,7 @@ class Settings:
     hf_config: str | None = None  # --hf-config config.json: build a Hugging Face causal LM from it
     seq_len: int = 512  # --seq-len for --hf-config
     attn: str = "sdpa"  # --attn for --hf-config
+    peft: PeftSpec | None = None  # --peft lora|qlora (and --lora-*) for --hf-config
 
 
 def load(target: str | loader.Target | None, settings: Settings) -> loader.Target:
@@ -61,7 +63,12 @@ def load(target: str | loader.Target | None, settings: Settings) -> loader.Targe
     if settings.hf_config:
         from ckpt_tune.measure.hf import load_hf_target
 
-        return load_hf_target(settings.hf_config, seq_len=settings.seq_len, attn=settings.attn)
+        return load_hf_target(settings.hf_config, seq_len=settings.seq_len, attn=settings.attn, peft=settings.peft)
+    if settings.peft is not None:
+        raise CkptTuneError(
+            "--peft applies to --hf-config models",
+            "build your own target with peft (and bitsandbytes) in its build function; it is measured as it is",
+        )
     if not target:
         raise CkptTuneError(
             "no target given",

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ckpt_tune.measure import quantized
 from ckpt_tune.plan.entry import Entry
 
 
@@ -31,6 +32,7 @@ def iteration_flops(
     the share of blocks it left out of a shortened chain (tune/repeats.py)."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    quantized.register_flops()
     root = type(model).__name__
 
     def per_module(fc) -> dict:

@@ -13,7 +13,9 @@ from typing import Any
 
 from ckpt_tune import yamlio
 from ckpt_tune.errors import PlanError
+from ckpt_tune.plan import finetune
 from ckpt_tune.plan.entry import Action, Entry, entries_of, member_names, to_data
+from ckpt_tune.plan.finetune import PeftSpec
 from ckpt_tune.units import format_bytes
 from ckpt_tune.vocab import DEVICES, OPTIMIZERS, PRECISIONS, SHARDINGS, SHARDS
 
@@ -51,6 +53,8 @@ class Plan:
     # tokens per sample of the batches the plan was made for (--hf-config's --seq-len); None: the
     # target's own make_batch made them
     seq_len: int | None = None
+    # LoRA / QLoRA the plan was measured with (--peft, plan/finetune.py); None: every parameter trains
+    peft: PeftSpec | None = None
 
     def __post_init__(self) -> None:
         # entries may be given in their data form ("blocks.0", ["blocks.1", "blocks.2"]): keep the type
@@ -82,6 +86,7 @@ KEYS = (
     "batch_size",
     "grad_accum_steps",
     "seq_len",
+    "peft",
     "world_size",
     "shard",
     "sharding",
@@ -94,7 +99,7 @@ KEYS = (
     "predicted_from_run",
 )
 _SHARD_KEYS = ("world_size", "shard", "sharding", "shard_units")  # written for a sharded plan only
-_OPTIONAL_KEYS = ("seq_len", "verified_peak_bytes", "first_predicted_peak_bytes", "predicted_from_run", *_SHARD_KEYS)
+_OPTIONAL_KEYS = ("seq_len", "peft", "verified_peak_bytes", "first_predicted_peak_bytes", "predicted_from_run", *_SHARD_KEYS)
 _FIX = "plan files are written by `ckpt-tune search --out`"
 _STAGE_COMMENT = {
     "zero1": "optimizer state sharded; the model stays whole (ZeroRedundancyOptimizer)",
@@ -141,6 +146,8 @@ def plan_to_yaml(plan: Plan) -> str:
     ]
     if plan.seq_len is not None:
         lines.append(line("seq_len", s(plan.seq_len), "tokens per sample of the batches planned for"))
+    if plan.peft is not None:
+        lines.append(line("peft", s(plan.peft.to_data()), "adapters on a frozen base" + (", 4-bit NF4" if plan.peft.quantized else ", bf16")))
     if plan.sharded:
         lines += _shard_lines(plan)
     if plan.checkpoint:
@@ -246,6 +253,7 @@ def _from_mapping(data: dict, where: str) -> Plan:
         batch_size=f.integer(data["batch_size"], "batch_size", 1),
         grad_accum_steps=f.integer(data["grad_accum_steps"], "grad_accum_steps", 1),
         seq_len=f.integer(data["seq_len"], "seq_len", 1, nullable=True) if "seq_len" in data else None,
+        peft=finetune.from_data(data["peft"]) if data.get("peft") is not None else None,
         checkpoint=_checkpoint_entries(data["checkpoint"], f),
         predicted_peak_bytes=f.integer(data["predicted_peak_bytes"], "predicted_peak_bytes", 0),
         predicted_recompute_fraction=f.number(

@@ -15,6 +15,7 @@ import json
 from ckpt_tune.plan import policy, segment
 from ckpt_tune.plan.entry import Entry
 from ckpt_tune.plan.file import Plan
+from ckpt_tune.plan.finetune import peft_code
 from ckpt_tune.plan.shard import ENGINES, MIXED
 from ckpt_tune.units import format_bytes
 
@@ -251,6 +252,11 @@ def patch_snippet(plan: Plan, *, hf: bool = False) -> str:
         f"# Recompute adds about {plan.predicted_recompute_fraction:.1%} to the step time.",
         f"# Paste after building `model`, {paste}",
     ]
+    if plan.peft is not None:  # the model the plan was measured on: the names below are the peft model's
+        header += [
+            f"# The plan was measured with {plan.peft.method} ({plan.peft.describe()}); build `model` this way:",
+            *(f"#   {code_line}".rstrip() for code_line in peft_code(plan.peft).splitlines()),
+        ]
     segments = any(e.is_segment for e in plan.checkpoint)
     policies = any(e.policy is not None for e in plan.checkpoint)
     # Hugging Face's per-layer switch cannot checkpoint several layers as one, nor under an op policy

@@ -98,6 +98,7 @@ def search(
         batch_size=res.batch_size,
         grad_accum_steps=res.grad_accum_steps,
         seq_len=settings.seq_len if t.is_hf else None,
+        peft=settings.peft if t.is_hf else None,
         checkpoint=res.checkpoint,
         predicted_peak_bytes=res.predicted_peak,
         predicted_recompute_fraction=res.recompute_fraction,
