@@ -210,6 +210,8 @@ class _Region:
     def __init__(self, blocks, forwards) -> None:
         self.blocks, self.forwards = blocks, forwards
         self.rng = torch.get_rng_state()  # at the region's start
+        # the autocast state at the region's start, restored for the replay (as torch.utils.checkpoint does)
+        self.autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
         self.calls: list = []  # (args, kwargs, RNG state if code between the blocks moved it)
         self.outputs: dict[int, tuple] = {}  # id(tensor) -> (weak reference, block, leaf)
         self.rng_after = None
@@ -254,7 +256,9 @@ class _Region:
                 raise _Replayed
 
         try:
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(keep, lambda _: None):
+            enabled, dtype = self.autocast
+            with torch.enable_grad(), torch.autocast("cpu", dtype=dtype, enabled=enabled), \
+                    torch.autograd.graph.saved_tensors_hooks(keep, lambda _: None):
                 for block, fwd, (args, kwargs, rng) in zip(self.blocks, self.forwards, self.calls):
                     if rng is not None:
                         torch.set_rng_state(rng)
@@ -319,13 +323,32 @@ def measured_peak(
     accum_steps: int = 1,
     wrap=None,
     steps: int = 2,
+    count_build: bool = False,
 ) -> int:
     """Peak live bytes of the steady-state iterations (2..steps) of a freshly built model.
 
     `checkpoint`: names (and segments) wrapped by `wrap_blocks`; `wrap`: any other rewrite of the
     fresh model. With `accum_steps` > 1 an iteration is that many micro-batches of `batch_size`
-    (loss / steps, gradients summed by autograd) before the one optimizer step."""
-    model = build()
+    (loss / steps, gradients summed by autograd) before the one optimizer step. `count_build`: the
+    model's own bytes are what the allocator holds after `build()` (recorded under the profiler too),
+    not its parameters and buffers: a quantized layer keeps state outside both."""
+    built = None
+    if count_build:
+        gc.collect()
+        gc.disable()
+        try:
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as build_prof:
+                model = build()
+        finally:
+            gc.enable()
+        built = sum(
+            e.nbytes()
+            for e in build_prof.profiler.kineto_results.events()
+            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+        )
+        del build_prof
+    else:
+        model = build()
     model.train()
     if checkpoint:
         wrap_blocks(model, checkpoint)
@@ -371,7 +394,7 @@ def measured_peak(
             peak = max(peak, live)
     del prof, model, opt, params
     gc.collect()
-    return sum(before.values()) + peak
+    return (built if built is not None else sum(before.values())) + peak
 
 
 def one_step(model, batch, loss_fn, seed: int = 1) -> dict:
