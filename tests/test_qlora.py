@@ -195,3 +195,25 @@ def test_qlora_without_bitsandbytes_says_what_to_install(run, llama_config, monk
     assert code == 1
     assert "needs bitsandbytes" in err
     assert "ckpt-tune[peft]" in err
+
+
+def test_diagnose_records_qlora_and_lora_rows_as_peft_builds_them(llama_config, monkeypatch):
+    """A config trained in full that does not fit: its QLoRA and LoRA rows are recorded steps of the
+    peft model, equal to the allocator's peak of that model with the same layers checkpointed."""
+    from ckpt_tune.diagnosis import diagnose, remedies, shard_remedies
+
+    # only the rows under test: the other remedies have their own tests
+    monkeypatch.setattr(remedies, "single_gpu_remedies", lambda study: None)
+    monkeypatch.setattr(shard_remedies, "sharded_runs", lambda study: None)
+    monkeypatch.setattr(remedies, "mixed_precision", lambda study: None)
+    settings = session.Settings(device="cpu", precision="bf16-mixed", hf_config=str(llama_config), seq_len=SEQ)
+    d = diagnose(None, vram="8MiB", batch_size=4, settings=settings)
+    rows = {r.kind: r for r in d.remedies}
+    assert set(rows) >= {"qlora", "lora"}
+    assert rows["lora"].config["peft"]["method"] == "lora"  # peft's, not ckpt-tune's own adapter
+    for kind in ("qlora", "lora"):
+        row = rows[kind]
+        assert row.basis == "measured"
+        target = load_hf_target(llama_config, seq_len=SEQ, peft=PeftSpec(kind, r=8, alpha=16))
+        real = harness.measured_peak(target.build_fn, target.batch_fn, _amp(_hf_loss), 4, checkpoint=row.config["checkpoint"], count_build=True)
+        assert abs(row.peak_bytes - real) <= README_TOLERANCE * real, (kind, row.peak_bytes, real)

@@ -35,6 +35,7 @@ from ckpt_tune.diagnosis.lora import (
     lora_plan,
     lora_targets,
 )
+from ckpt_tune.diagnosis.peft_remedies import peft_remedies
 from ckpt_tune.diagnosis.result import (
     ACCURACY,
     Diagnosis,
@@ -95,6 +96,11 @@ def diagnose(
     study = Study(model, runner, step, t.spec, batch_size, budget, n, shard, lora_rank, progress)
     try:
         _run(study)
+        if not study.fits:  # QLoRA and LoRA as people run them, for an HF config trained in full
+            found = peft_remedies(study, t, settings)
+            if found:  # they replace the LoRA row of ckpt-tune's own adapter (an fp32 base under autocast)
+                study.remedies = [r for r in study.remedies if r.kind != "lora"]
+            study.add(*found)
     except CkptTuneError as e:
         if isinstance(e.__cause__, (MemoryError, torch.OutOfMemoryError)):
             # the device cannot hold the step it is asked about: measure where memory is plentiful

@@ -20,7 +20,7 @@ ACCURACY = ("none", "low", "changes what is trained")
 
 @dataclass(frozen=True)
 class Remedy:
-    kind: str  # checkpoint | mixed-precision | micro-batch | 8bit-optimizer | lora | offload | zero1 | zero2 | zero3
+    kind: str  # checkpoint | mixed-precision | micro-batch | 8bit-optimizer | lora | qlora | offload | zero1 | zero2 | zero3
     title: str  # what to do, in one line
     peak_bytes: int  # peak per GPU after the remedy
     fits: bool
@@ -99,14 +99,15 @@ def _moment_dict(m: Moment) -> dict[str, Any]:
 
 
 def rank_remedies(remedies: list[Remedy] | tuple[Remedy, ...]) -> tuple[Remedy, ...]:
-    """What fits first. Among those: what keeps what is trained before what changes it, then fewer GPUs,
-    lower accuracy risk, less extra time (unknown last). What does not fit: closest to the budget first."""
+    """What fits first. Among those: fewer GPUs (a remedy for the GPUs one has before one that rents
+    more), then what keeps what is trained before what changes it, lower accuracy risk, less extra time
+    (unknown last). What does not fit: closest to the budget first."""
 
     def key(r: Remedy):
         acc = ACCURACY.index(r.accuracy)
         if r.fits:
             t = r.time_overhead if r.time_overhead is not None else float("inf")
-            return (0, acc >= 2, r.gpus, acc, t, r.peak_bytes)
+            return (0, r.gpus, acc >= 2, acc, t, r.peak_bytes)
         return (1, r.peak_bytes, r.gpus, acc, 0.0, 0)
 
     return tuple(sorted(remedies, key=key))
