@@ -175,7 +175,7 @@ def test_peft_plan_file_round_trips_and_the_patch_loads_the_model_that_way(tmp_p
         (["examples/gpt.py:build", "--peft", "qlora"], "--peft applies to --hf-config models"),
         (["--hf-config", "CFG", "--peft", "dora"], "unknown --peft 'dora'"),
         (["--hf-config", "CFG", "--peft", "lora", "--lora-r", "0"], "--lora-r must be a positive integer"),
-        (["--hf-config", "CFG", "--peft", "lora", "--lora-targets", "no_such_proj"], "peft rejected --lora-targets"),
+        (["--hf-config", "CFG", "--peft", "lora", "--lora-targets", "no_such_proj"], "peft rejected the LoRA settings"),
     ],
 )
 def test_peft_errors_are_one_clear_message(run, llama_config, args, message):

@@ -11,7 +11,7 @@ parameter is frozen, and the adapters are peft's own `lora.bnb.Linear4bit`.
 there are none here (random weights, docs/design.md §3), so the swap transformers' quantizer does is done
 by hand: the same classes, arguments and quantization call (`Params4bit._quantize`). Under `--device meta`
 the weights are meta tensors and bitsandbytes' own meta kernels give the packed weight and quantization
-state their real shapes (measure/fake_quant.py); nothing is quantized for real.
+state their real shapes (measure/quantized.py); nothing is quantized for real.
 """
 
 from __future__ import annotations
@@ -39,24 +39,40 @@ def _output_head(model: nn.Module) -> nn.Module | None:
     return get() if callable(get) else None
 
 
-def quantize_linears(model: nn.Module) -> int:
-    """Swap every `nn.Linear` but the output head for a bitsandbytes NF4 `Linear4bit` (double
-    quantization, bf16 compute), as transformers' bitsandbytes quantizer does; returns how many."""
+def _linear_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The layers transformers' bitsandbytes quantizer converts: every `nn.Linear` (subclasses too) and
+    GPT-2's `Conv1D`, but the output head and what is quantized already."""
     import bitsandbytes as bnb
 
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover - transformers is there for --hf-config
+        Conv1D = ()
     head = _output_head(model)
-    swaps = [
+    return [
         (name, mod)
         for name, mod in model.named_modules()
-        if type(mod) is nn.Linear and mod is not head
+        if isinstance(mod, (nn.Linear, Conv1D)) and mod is not head and not isinstance(mod, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))
     ]
+
+
+def quantize_linears(model: nn.Module) -> int:
+    """Swap every linear layer but the output head for a bitsandbytes NF4 `Linear4bit` (double
+    quantization, bf16 compute), as transformers' bitsandbytes quantizer does; returns how many. A
+    `Conv1D` (weight stored [in, out]) is quantized transposed, as transformers loads it."""
+    import bitsandbytes as bnb
+
+    swaps = _linear_layers(model)
     for name, lin in swaps:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         weight = lin.weight.detach().to(torch.bfloat16)
+        if not isinstance(lin, nn.Linear):  # Conv1D: [in, out]
+            weight = weight.t().contiguous()
+        out_features, in_features = weight.shape
         q = bnb.nn.Linear4bit(
-            lin.in_features,
-            lin.out_features,
+            in_features,
+            out_features,
             bias=lin.bias is not None,
             compute_dtype=torch.bfloat16,
             compress_statistics=True,
@@ -67,7 +83,7 @@ def quantize_linears(model: nn.Module) -> int:
         q.weight = bnb.nn.Params4bit(
             weight, requires_grad=False, compress_statistics=True, quant_type="nf4", quant_storage=torch.uint8, module=q
         )
-        q.weight._quantize(weight.device)  # meta stays meta (fake_quant.meta_quantization)
+        q.weight._quantize(weight.device)  # meta stays meta (quantized.meta_quantization)
         if lin.bias is not None:
             q.bias = nn.Parameter(lin.bias.detach().to(torch.bfloat16), requires_grad=False)
         setattr(parent, child, q)
@@ -95,6 +111,10 @@ def apply_peft(model: nn.Module, spec: PeftSpec) -> nn.Module:
     )
     try:
         peft_model = get_peft_model(model, config)
-    except ValueError as exc:  # target_modules naming nothing in the model
-        raise CkptTuneError(f"peft rejected --lora-targets: {exc}", "name module suffixes such as q_proj,v_proj, or all-linear") from exc
+    except ValueError as exc:  # target_modules naming nothing in the model; settings a layer type refuses
+        raise CkptTuneError(
+            f"peft rejected the LoRA settings ({spec.describe()}): {str(exc).splitlines()[0]}",
+            "--lora-targets takes module-name suffixes such as q_proj,v_proj, or all-linear; "
+            "peft's adapters on fused MoE experts need --lora-dropout 0",
+        ) from exc
     return peft_model.train()

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ckpt_tune.errors import UserCodeError
+from ckpt_tune.errors import CkptTuneError, UserCodeError
 from ckpt_tune.measure.loader import (
     DEBUG_HINT,
     Target,
@@ -43,7 +43,7 @@ def build_model(target: Target) -> nn.Module:
     try:
         model = target.build_fn()
     except Exception as exc:
-        if not_the_users(exc):
+        if not_the_users(exc) or isinstance(exc, CkptTuneError):  # a machine's failure; ckpt-tune's own words
             raise
         raise UserCodeError(
             f"{target.spec} raised {first_line(exc)}{error_location(exc, _user_roots(target))}", hint=DEBUG_HINT
