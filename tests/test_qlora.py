@@ -217,3 +217,16 @@ def test_diagnose_records_qlora_and_lora_rows_as_peft_builds_them(llama_config, 
         target = load_hf_target(llama_config, seq_len=SEQ, peft=PeftSpec(kind, r=8, alpha=16))
         real = harness.measured_peak(target.build_fn, target.batch_fn, _amp(_hf_loss), 4, checkpoint=row.config["checkpoint"], count_build=True)
         assert abs(row.peak_bytes - real) <= README_TOLERANCE * real, (kind, row.peak_bytes, real)
+
+
+def test_check_records_the_peft_settings_and_refuses_a_run_without_them(run, llama_config, tmp_path):
+    base = ["check", "--hf-config", str(llama_config), "--seq-len", str(SEQ), "--device", "meta", "--batch-size", "2",
+            "--baseline", str(tmp_path / "memory.yaml")]
+    code, _out, err = run(*base, "--peft", "qlora", "--update")
+    assert code == 0, err
+    assert "peft: {alpha: 32, dropout: 0.05, method: qlora, r: 16, targets: [all-linear]}" in (tmp_path / "memory.yaml").read_text()
+    code, _out, err = run(*base, "--peft", "qlora")
+    assert code == 0, err
+    code, _out, err = run(*base)
+    assert code == 1
+    assert "--peft qlora --lora-r 16 --lora-alpha 32 --lora-dropout 0.05 --lora-targets all-linear" in " ".join(err.split())

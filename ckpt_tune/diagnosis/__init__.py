@@ -118,4 +118,5 @@ def _run(study: Study) -> None:
                 remedies.single_gpu_remedies(study)
         if not study.fits:  # remedies that run the step under other settings, each with its own runner
             study.add(remedies.mixed_precision(study), remedies.lora(study))
+            remedies.eight_bit_recorded(study)
             shard_remedies.sharded_runs(study)

@@ -192,6 +192,37 @@ def offload(study: Study) -> Remedy:
 # -- remedies that run the step under other settings, each with its own runner -------------------------
 
 
+def eight_bit_recorded(study: Study) -> None:
+    """The 8-bit optimizer row recorded where bitsandbytes' optimizer runs here (AdamW, one device):
+    the step with `adamw-8bit` and the row's checkpoint plan replaces the arithmetic (it runs on the CPU
+    and under fake tensors). Left as arithmetic, with a note, where it cannot be recorded."""
+    import importlib.util
+
+    row = next((r for r in study.remedies if r.kind == "8bit-optimizer"), None)
+    if row is None or study.step.optimizer != "adamw" or study.sharding != "none":
+        return
+    if importlib.util.find_spec("bitsandbytes") is None:
+        study.notes.append("8-bit optimizer: bitsandbytes is not installed here, its row is arithmetic")
+        return
+    step = study.step
+    names = row.config.get("checkpoint") or []
+    study.say("recording with bitsandbytes' AdamW8bit" + (f", {len(names)} modules checkpointed" if names else ""))
+    try:
+        with study.fresh_runner(StepSettings(step.device, step.precision, "adamw-8bit", step.fake_target)) as r:
+            m = r.measure(study.b, checkpoint=list(names), attribute=True)
+    except Exception as e:  # a refinement of ours: the arithmetic row stays, with a note
+        study.notes.append(f"8-bit optimizer not recorded ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): arithmetic row kept")
+        return
+    pk = study.peak(moments_of(m))
+    recorded = replace(
+        row, peak_bytes=pk.total, fits=pk.total <= study.usable, basis="measured", peak_where=pk.where,
+        cost=f"optimizer state {format_bytes(study.prof.optimizer_bytes)} → {format_bytes(m.optimizer_bytes)}; quantized moments",
+        assumes=f"bitsandbytes.optim.AdamW8bit recorded (the arithmetic said {format_bytes(row.peak_bytes)})",
+        config={**row.config, "optimizer_bytes": m.optimizer_bytes, "arithmetic_bytes": row.peak_bytes},
+    )
+    study.remedies = [recorded if r is row else r for r in study.remedies]
+
+
 def mixed_precision(study: Study) -> Remedy | None:
     step = study.step
     if step.precision != "fp32":

@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt_tune import yamlio
 from ckpt_tune.errors import BaselineError, PlanError, RegressionError
+from ckpt_tune.plan import finetune
 from ckpt_tune.plan.entry import Entry, plain
+from ckpt_tune.plan.finetune import PeftSpec
 from ckpt_tune.units import format_bytes
 from ckpt_tune.vocab import DEVICES, OPTIMIZERS, PARTS, PRECISIONS, SHARDS, device_kind
 
@@ -46,6 +48,7 @@ class CheckSettings:
     attn: str | None = None  # --hf-config targets only: the attention kernel
     world_size: int = 1  # ranks of a sharded run; > 1: every figure is rank 0's, recorded under the engine
     shard: str = "none"  # one of SHARDS: "none" exactly when world_size is 1
+    peft: PeftSpec | None = None  # --hf-config targets only: LoRA / QLoRA (--peft), None: every parameter trains
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,7 @@ def settings_of(
     attn: str | None = None,
     world_size: int = 1,
     shard: str = "none",
+    peft: PeftSpec | None = None,
 ) -> CheckSettings:
     """The settings of a profiled step (`world_size`/`shard`: the sharded run whose rank 0 it is)."""
     return CheckSettings(
@@ -147,6 +151,7 @@ def settings_of(
         attn,
         world_size,
         shard,
+        peft,
     )
 
 
@@ -180,6 +185,15 @@ def _field(key: str, value: Any, comment: str | None = None, indent: int = 0) ->
     return yamlio.line(yamlio.scalar(key), yamlio.scalar(value), comment, indent, column=COMMENT_COLUMN)
 
 
+def _peft(value: Any, f: yamlio.Fields) -> PeftSpec | None:
+    if value is None:
+        return None
+    try:
+        return finetune.from_data(value)
+    except PlanError as e:
+        raise f.fail("settings.peft", e.message.removeprefix("peft: ")) from e
+
+
 def baseline_to_yaml(b: Baseline) -> str:
     s = b.settings
     lines = [
@@ -204,6 +218,8 @@ def baseline_to_yaml(b: Baseline) -> str:
     ]
     if s.seq_len is not None or s.attn is not None:
         lines += [_field("seq_len", s.seq_len, indent=2), _field("attn", s.attn, indent=2)]
+    if s.peft is not None:
+        lines.append(_field("peft", s.peft.to_data(), "LoRA / QLoRA (--peft)", indent=2))
     if s.world_size > 1:  # written for a sharded run only: a one-device file is as it always was
         lines += [
             _field("world_size", s.world_size, "ranks; every figure below is rank 0's", indent=2),
@@ -249,7 +265,7 @@ def write_baseline(baseline: Baseline, path: str | Path) -> Path:
 
 _TOP_KEYS = tuple(f.name for f in fields(Baseline))
 _SETTING_KEYS = tuple(f.name for f in fields(CheckSettings))
-_OPTIONAL_SETTINGS = ("checkpoint", "seq_len", "attn", "world_size", "shard")
+_OPTIONAL_SETTINGS = ("checkpoint", "seq_len", "attn", "world_size", "shard", "peft")
 _FIX = "baseline files are written by `ckpt-tune check`: fix the field, or record a new one with --update"
 _RESTORE = "restore it from version control, or record a new one with --update"
 
@@ -310,6 +326,7 @@ def load_baseline(path: str | Path) -> Baseline:
         attn=None if s.get("attn") is None else f.text(s["attn"], "settings.attn"),
         world_size=world_size,
         shard=shard,
+        peft=_peft(s.get("peft"), f),
     )
     bd = f.keys(data["breakdown"], BREAKDOWN_KEYS, (), "breakdown.")
     # "other" is what is left of the peak after the named parts, and may dip below zero.

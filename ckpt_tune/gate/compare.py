@@ -38,6 +38,13 @@ _STATIC_PARTS = (
 )
 
 
+def _shown(value):
+    """A setting as data: a tuple as a list, a PeftSpec as its plan-file mapping."""
+    if isinstance(value, tuple):
+        return list(value)
+    return value.to_data() if hasattr(value, "to_data") else value
+
+
 def settings_diff(baseline: CheckSettings, current: CheckSettings) -> tuple[SettingDiff, ...]:
     out = []
     for f in fields(CheckSettings):
@@ -50,9 +57,7 @@ def settings_diff(baseline: CheckSettings, current: CheckSettings) -> tuple[Sett
             same = a == b
         if not same:
             out.append(
-                SettingDiff(
-                    f.name, list(a) if isinstance(a, tuple) else a, list(b) if isinstance(b, tuple) else b
-                )
+                SettingDiff(f.name, _shown(a), _shown(b))
             )
     return tuple(out)
 

@@ -21,7 +21,18 @@ FLAGS = {  # the command-line option that sets each compared setting, for hints
     "attn": "--attn",
     "world_size": "--world-size",
     "shard": "--shard",
+    "peft": "--peft",
 }
+
+
+def _flag(name: str, value: Any) -> str:
+    """The option that sets a setting to `value`, as a user types it."""
+    if name == "peft":
+        if value is None:
+            return "no --peft"
+        return (f"--peft {value['method']} --lora-r {value['r']} --lora-alpha {value['alpha']} "
+                f"--lora-dropout {value['dropout']:g} --lora-targets {','.join(value['targets'])}")
+    return f"{FLAGS[name]} {value}"
 
 
 def signed_bytes(n: int | None) -> str:
@@ -102,7 +113,7 @@ def raise_for_status(result: CheckResult) -> None:
             for d in result.settings_diff
         )
         sharding = ("world_size", "shard")
-        flags = [f"{FLAGS[d.name]} {d.baseline}" for d in result.settings_diff if d.name not in ("checkpoint", *sharding)]
+        flags = [_flag(d.name, d.baseline) for d in result.settings_diff if d.name not in ("checkpoint", *sharding)]
         for d in result.settings_diff:
             if d.name == "checkpoint":
                 flags.append(

@@ -96,6 +96,7 @@ def run_check(
         settings.attn if hf else None,
         n,
         stage,
+        settings.peft if hf else None,
     )
     plan_warnings = _plan_warnings(plan_obj, wanted)
     if old is not None and not update:
@@ -119,7 +120,7 @@ def run_check(
     prof = _measure(
         lambda: _profile(target, batch_size, replace(settings, device=device), checkpoint, n, stage, plan_obj)
     )
-    measured = settings_of(prof, checkpoint, wanted.seq_len, wanted.attn, n, stage)
+    measured = settings_of(prof, checkpoint, wanted.seq_len, wanted.attn, n, stage, wanted.peft)
     if old is not None and not update:
         res = compare(old, prof, tol, rtol, measured)
         return replace(res, warnings=res.warnings + tuple(plan_warnings), baseline_path=str(path))
