@@ -2,7 +2,7 @@
 # Rewrite every file in benchmarks/results/ at one commit. On a clean clone (after `make setup`):
 #     benchmarks/run_all.sh                 # refuses a work tree that differs from HEAD
 #     benchmarks/run_all.sh --allow-dirty   # runs anyway; each result records the dirty paths and a hash of git diff HEAD
-# About an hour and a half on a 2-core machine (large_model, plan_quality, ops and batch_finder dominate); each script
+# About two and a half hours on a 2-core machine (qlora: an hour) (large_model, plan_quality, ops and batch_finder dominate); each script
 # also runs on its own. Timing benchmarks (plan_quality, batch_finder, speed, large_model) want a quiet machine.
 # The GPU check is separate: .venv/bin/python benchmarks/gpu_validate.py (a CUDA machine, < 8 minutes).
 set -euo pipefail
@@ -30,7 +30,7 @@ run benchmarks/nested.py
 run benchmarks/zoo.py
 run benchmarks/large_model.py
 # written by other changes: run where they exist
-for extra in benchmarks/ops.py benchmarks/sharded.py; do
+for extra in benchmarks/ops.py benchmarks/sharded.py benchmarks/peft_archs.py benchmarks/qlora.py; do
     if [[ -f "$extra" ]]; then run "$extra"; fi
 done
 # every result must come from this commit
