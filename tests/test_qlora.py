@@ -230,3 +230,28 @@ def test_check_records_the_peft_settings_and_refuses_a_run_without_them(run, lla
     code, _out, err = run(*base)
     assert code == 1
     assert "--peft qlora --lora-r 16 --lora-alpha 32 --lora-dropout 0.05 --lora-targets all-linear" in " ".join(err.split())
+
+
+def test_a_4bit_forward_holds_its_dequantized_weight_in_a_cuda_sized_timeline():
+    """bitsandbytes' gemm_4bit returns only its output; for CUDA its scratch (the weight dequantized to
+    the activation's dtype, the fp32 absmax) is added as a spike of 512 B blocks (scratch.bnb_cuda_scratch)."""
+    from ckpt_tune.measure import fake
+    from ckpt_tune.measure.fake import FakeRecorder
+
+    n_out, n_in, rows = 512, 256, 2048
+    layer = bnb.nn.Linear4bit(n_in, n_out, bias=False, compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4")
+    layer.weight = bnb.nn.Params4bit(torch.randn(n_out, n_in, dtype=torch.bfloat16), requires_grad=False,
+                                     compress_statistics=True, quant_type="nf4")
+    layer = layer.to("cpu")  # quantized for real: the CPU kernels run on it
+    with fake.running() as mode:
+        x = mode.from_tensor(torch.zeros(rows, n_in, dtype=torch.bfloat16))
+        with FakeRecorder("cuda") as rec:
+            layer(x)
+    blocks = n_out * n_in // 64  # one absmax per 64 weights
+    scratch = n_out * n_in * 2 + blocks * 4  # both multiples of 512 here
+    out = rows * n_out * 2  # the output, a storage of its own
+    tl = rec.timeline
+    spikes = [d for d, ptr in zip(tl.deltas, tl.ptrs) if ptr == 0 and d > 0]  # scratch: no storage of its own
+    assert spikes == [scratch]
+    assert out in tl.deltas
+    assert not rec.unmodelled

@@ -178,11 +178,13 @@ def bnb_cuda_scratch(func, args, kwargs) -> Scratch | None:
     dequantize nothing, sized here as the same path (an upper bound). None for any other op."""
     if func not in bnb_scratch_ops():
         return None
-    a, shape = args[0], args[2]
+    # the dispatcher passes schema arguments positionally: name them from the schema
+    named = {**dict(zip((x.name for x in func._schema.arguments), args)), **kwargs}
+    a, shape = named["A"], named["shapeB"]
     n_out, n_in = int(shape[0]), int(shape[1])
-    absmax_8bit = kwargs.get("absmax_8bit")
+    absmax_8bit = named.get("absmax_8bit")
     nested = isinstance(absmax_8bit, torch.Tensor)
-    blocks = (absmax_8bit if nested else args[3]).numel()
+    blocks = (absmax_8bit if nested else named["absmax"]).numel()
     held = _cuda_block(blocks * 4) + _cuda_block(n_out * n_in * a.element_size())
     # double quantization: the dequantized absmax and the offset added to it are alive together first
     first = 2 * _cuda_block(blocks * 4) if nested else 0
