@@ -255,3 +255,41 @@ def test_a_4bit_forward_holds_its_dequantized_weight_in_a_cuda_sized_timeline():
     assert spikes == [scratch]
     assert out in tl.deltas
     assert not rec.unmodelled
+
+
+@pytest.mark.parametrize("how", ["patch", "apply"])
+def test_a_peft_plan_checkpoints_the_qlora_model_and_leaves_its_gradients_as_they_were(llama_config, how):
+    """The patch (pasted where the peft model is made) and ckpt_tune.apply both recompute the planned
+    decoder layers of the peft model, and the adapters' gradients equal those of the plain step."""
+    import ckpt_tune
+    from ckpt_tune.plan.file import Plan
+
+    spec = PeftSpec("qlora")
+    target = load_hf_target(llama_config, seq_len=SEQ, peft=spec)
+    names = ("base_model.model.model.layers.0", "base_model.model.model.layers.1")
+    plan = Plan(target=target.spec, device="cpu", precision="bf16-mixed", optimizer="adamw", budget_bytes=None, batch_size=2,
+                grad_accum_steps=1, checkpoint=names, predicted_peak_bytes=1, predicted_recompute_fraction=0.1, seq_len=SEQ, peft=spec)
+
+    def step(planned: bool):
+        torch.manual_seed(0)
+        model = target.build_fn()
+        calls = dict.fromkeys(names, 0)
+        for n in names:  # a pre-hook: a recompute may stop inside a module once it has what backward needs
+            model.get_submodule(n).mlp.register_forward_pre_hook(lambda m, a, n=n: calls.__setitem__(n, calls[n] + 1))
+        if planned and how == "patch":
+            scope = {"model": model}
+            exec(patch_snippet(plan, hf=True), scope)
+            model = scope["model"]
+        elif planned:
+            ckpt_tune.apply(model, plan)
+        torch.manual_seed(1)
+        _amp(_hf_loss)(model, target.batch_fn(2)).backward()
+        return calls, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    plain_calls, plain_grads = step(False)
+    calls, grads = step(True)
+    assert plain_calls == dict.fromkeys(names, 1)
+    assert calls == dict.fromkeys(names, 2)  # forward and recompute
+    assert grads.keys() == plain_grads.keys()
+    assert all(".lora_" in n for n in grads)
+    assert all(torch.equal(grads[n], plain_grads[n]) for n in grads)

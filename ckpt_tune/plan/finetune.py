@@ -72,7 +72,9 @@ def parse_targets(text: str) -> tuple[str, ...]:
 
 
 def from_data(data: Any) -> PeftSpec:
-    """A plan file's `peft` mapping read back; a wrong field is a PlanError naming it."""
+    """A plan file's `peft` mapping read back (a PeftSpec stays as it is); a wrong field is a PlanError naming it."""
+    if isinstance(data, PeftSpec):
+        return data
     if not isinstance(data, dict):
         raise PlanError(f"peft: expected a mapping, got {type(data).__name__}")
     unknown = set(data) - {"method", "r", "alpha", "dropout", "targets"}
