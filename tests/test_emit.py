@@ -228,7 +228,7 @@ def test_load_refuses_other_types() -> None:
 
 def test_known_choices() -> None:
     assert PRECISIONS == ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
-    assert OPTIMIZERS == ("adamw", "adam", "sgd", "sgd-momentum", "none")
+    assert OPTIMIZERS == ("adamw", "adam", "adamw-8bit", "paged-adamw-8bit", "sgd", "sgd-momentum", "none")
 
 
 # ---------------------------------------------------------------------------------------------------
