@@ -170,13 +170,18 @@ def test_ctrl_c_exits_130_with_one_line(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     p = subprocess.Popen([sys.executable, "-m", "ckpt_tune", "search", "slow.py:build", "--device", "cpu", "--vram", "1GiB",
                           "--out", "plan.yaml"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    deadline = time.monotonic() + 120
-    while not (tmp_path / "started").exists():
-        assert p.poll() is None, p.communicate()
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=60)
+    try:  # the child never outlives the test, whatever fails (a search left running would hold a core)
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "started").exists():
+            assert p.poll() is None, p.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
     assert p.returncode == 130
     assert err == "interrupted (Ctrl-C)\n"
     assert out == ""
