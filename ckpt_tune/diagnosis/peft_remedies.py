@@ -13,7 +13,7 @@ from dataclasses import replace
 from ckpt_tune.diagnosis.result import Remedy
 from ckpt_tune.diagnosis.study import Study
 from ckpt_tune.measure import session
-from ckpt_tune.measure.loader import Target
+from ckpt_tune.measure.loader import Target, first_line
 from ckpt_tune.plan.finetune import PeftSpec
 from ckpt_tune.tune.candidates import find_blocks
 from ckpt_tune.tune.moments import moments_of
@@ -32,7 +32,7 @@ def peft_remedies(study: Study, target: Target, settings: session.Settings) -> l
         try:
             out.append(_recorded(study, settings, spec))
         except Exception as e:  # a refinement of ours: dropped with a note, the diagnosis goes on
-            study.notes.append(f"{method} not recorded: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            study.notes.append(f"{method} not recorded: {first_line(e)}")
     return out
 
 

@@ -19,6 +19,7 @@ from ckpt_tune.diagnosis import shard_remedies
 from ckpt_tune.diagnosis.lora import lora_applied, lora_plan
 from ckpt_tune.diagnosis.result import Remedy
 from ckpt_tune.diagnosis.study import Names, Study
+from ckpt_tune.measure.loader import first_line
 from ckpt_tune.measure.runner import StepSettings
 from ckpt_tune.measure.tensors import local_tensor, storage_key
 from ckpt_tune.plan.entry import to_data
@@ -211,7 +212,7 @@ def eight_bit_recorded(study: Study) -> None:
         with study.fresh_runner(StepSettings(step.device, step.precision, "adamw-8bit", step.fake_target)) as r:
             m = r.measure(study.b, checkpoint=list(names), attribute=True)
     except Exception as e:  # a refinement of ours: the arithmetic row stays, with a note
-        study.notes.append(f"8-bit optimizer not recorded ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): arithmetic row kept")
+        study.notes.append(f"8-bit optimizer not recorded ({first_line(e)}): arithmetic row kept")
         return
     pk = study.peak(moments_of(m))
     recorded = replace(
