@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten
 
 from ckpt_tune.errors import CkptTuneError
 from ckpt_tune.measure import timeline
-from ckpt_tune.measure.fake_ops import RECORD_FUNCTION_ENTER, SHORTCUTS, MetaGaps, eager_hf_masks
+from ckpt_tune.measure.fake_ops import RECORD_FUNCTION_ENTER, SHORTCUTS, MetaGaps, cpu_rng_states, eager_hf_masks
 from ckpt_tune.measure.scratch import (
     CPU_SCRATCH_OPS,
     CUDA_BLOCK_ROUND,
@@ -220,6 +220,7 @@ class FakeRecorder:
         if self.device_type in ("cpu", "cuda"):
             self._hidden = self._hidden | bnb_scratch_ops()
         self._gc_was_enabled = False
+        self._rng: contextlib.AbstractContextManager | None = None
 
     def __enter__(self) -> FakeRecorder:
         # Garbage from earlier work must not be collected in the middle of the iteration, where freeing
@@ -235,10 +236,16 @@ class FakeRecorder:
         _RECORDERS.append(self)
         self._mode = _Dispatch(self)
         self._mode.__enter__()
+        if self.device_type == "cpu":
+            self._rng = cpu_rng_states()
+            self._rng.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         try:
+            if self._rng is not None:
+                self._rng.__exit__(*exc)
+                self._rng = None
             if self._mode is not None:
                 self._mode.__exit__(*exc)
         finally:

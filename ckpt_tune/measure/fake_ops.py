@@ -43,6 +43,30 @@ SHORTCUTS = {DEVICE: lambda func, args, kwargs: _device(func, args), RECORD_FUNC
 
 
 @contextlib.contextmanager
+def cpu_rng_states() -> Iterator[None]:
+    """`torch.get_rng_state()` gives a fake tensor of the real state's size while recording with the
+    CPU allocator's rules. A checkpoint keeps the CPU generator's state from its forward to its
+    recompute, and `fork_rng` holds another copy during the recompute: real CPU tensors (5,056 B each)
+    in the real step, made outside the dispatcher, so a fake step would miss them. `set_rng_state`
+    ignores a fake state (a fake step draws no random numbers)."""
+    get, set_ = torch.get_rng_state, torch.set_rng_state
+
+    def fake_get() -> torch.Tensor:
+        real = get()
+        return torch.empty(real.shape, dtype=real.dtype)  # under the fake mode: a recorded fake storage
+
+    def fake_set(state: torch.Tensor) -> None:
+        if not isinstance(state, FakeTensor):
+            set_(state)
+
+    torch.get_rng_state, torch.set_rng_state = fake_get, fake_set
+    try:
+        yield
+    finally:
+        torch.get_rng_state, torch.set_rng_state = get, set_
+
+
+@contextlib.contextmanager
 def eager_hf_masks() -> Iterator[None]:
     """Hugging Face models take a fake tensor for a sign of tracing (torch.export) and then build the
     attention mask they skip in eager runs: `find_packed_sequence_indices` cannot read the position ids,

@@ -119,6 +119,11 @@ def _child(fn: Callable[[T], R], items: Sequence[T], queue: int, write_fd: int) 
     try:
         # nothing of the parent's output (a spinner's thread may hold its lock): a child is silent
         sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the process ends below
+        # OpenMP's thread team does not survive a fork: a kernel that runs in parallel here would wait
+        # on threads the child does not have (after the parent ran real CPU steps). One thread runs inline
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            torch.set_num_threads(1)
         results: dict[int, tuple[str, Any]] = {}
         _run(fn, items, _queued(queue), results)
         for k, (kind, value) in results.items():

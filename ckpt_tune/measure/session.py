@@ -174,14 +174,21 @@ def build_runner(
         return model, runner, step
     runner = StepRunner(model, batch_fn, loss_fn, step)
     if device == "cpu":  # a step this machine cannot hold is recorded under fake tensors (measure/host.py)
-        from ckpt_tune.measure import fake_inputs
-
-        def make_fake() -> StepRunner:
-            fake_step = replace(step, device="meta", fake_target="cpu")
-            return StepRunner(fake_inputs.build_fake_model(target), fake_inputs.fake_batch_fn(target, "cpu"), loss_fn, fake_step)
-
-        runner = HostGuard(runner, make_fake)
+        runner = HostGuard(runner, lambda: fake_cpu_runner(target, step))
     return model, runner, step
+
+
+def fake_cpu_runner(target: loader.Target, step: StepSettings) -> StepRunner:
+    """A runner of the target's step under fake tensors with the CPU allocator's rules (measure/fake.py):
+    the same bytes as the real CPU step, nothing allocated."""
+    from ckpt_tune.measure import fake_inputs
+
+    fake_step = replace(step, device="meta", fake_target="cpu")
+
+    def loss_fn(m, batch):
+        return user_code.compute_loss(target, m, batch)
+
+    return StepRunner(fake_inputs.build_fake_model(target), fake_inputs.fake_batch_fn(target, "cpu"), loss_fn, fake_step)
 
 
 def sharded_engine(device: str, world_size: int) -> bool:

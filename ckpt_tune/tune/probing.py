@@ -197,6 +197,8 @@ class ProbeSteps:
             todo.setdefault((b, none), (b, "none", none, (1, step[1])))
         todo = {k: v for k, v in todo.items() if k not in self._short_cuts}
         items = [("short", v) for k, v in sorted(todo.items(), key=lambda kv: any(kv[0][1]))]
+        if self.real is not self.runner:  # step times are real steps: in this process, when asked for
+            timing, plan = (), None
         # with a plan to verify, the frontier around its batch is solved after the FLOP count there (the
         # search's answer is most often that batch); on the small batches' terms, probed before
         rows = None
@@ -271,7 +273,7 @@ class ProbeSteps:
         """(b, names, choice) of the plan the fitted terms choose at b, when its verification can be
         shared out with the probes there: b not yet probed, an iteration of one batch, a measured step
         (not divided by arithmetic), and no segment (whose terms a verification would teach)."""
-        if b in self._terms or b in (self.b1, self.b2) or self.accum_steps != 1 or self.sharding == "arithmetic":
+        if b in self._terms or b in (self.b1, self.b2) or self.accum_steps != 1 or self.sharding == "arithmetic" or self.real is not self.runner:
             return None
         t = self.fitted(b, self.b1, self.b2)
         sol = solve(t, self.costs(self.b1), budget)

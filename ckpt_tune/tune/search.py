@@ -11,17 +11,21 @@ and loss functions).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import torch
 from torch import nn
 
 from ckpt_tune import vocab
 from ckpt_tune.errors import NoFitError
 from ckpt_tune.measure.device import Budget, parse_budget, resolve_device
 from ckpt_tune.measure.loader import Target
-from ckpt_tune.measure.session import Settings, build_runner, load, user_errors
+from ckpt_tune.measure.fake import as_fake_mode_error
+from ckpt_tune.measure.host import HostGuard
+from ckpt_tune.measure.session import Settings, build_runner, fake_cpu_runner, load, user_errors
 from ckpt_tune.plan.file import FULLY_SHARDED, Plan
 from ckpt_tune.tune.candidates import find_blocks
 from ckpt_tune.tune.searcher import Searcher, SearchResult
@@ -53,13 +57,16 @@ def search(
     shard: str = "none",
     segments: bool = True,
     candidates: frozenset[str] | None = None,
+    fake_probes: bool = True,
 ) -> SearchOutcome:
     """Largest batch (or the given one) that fits `vram`, with the cheapest verified checkpoint plan.
 
     `target`: a target string (docs/design.md §2), a `loader.Target` whose `build_fn`, `batch_fn` and
     `loss_fn` are used as they are (its `spec` is the plan's `target`), or None with `settings.hf_config`.
     `segments`: also consider runs of consecutive blocks under one checkpoint (ckpt_tune/plan/segment.py).
-    `candidates`: the kinds of choice the planner may use (vocab.CANDIDATES; None: all)."""
+    `candidates`: the kinds of choice the planner may use (vocab.CANDIDATES; None: all).
+    `fake_probes`: on `--device cpu`, record the probes under fake tensors with the CPU allocator's rules
+    and run only the step times and the verification for real (docs/design.md §4); False: every step real."""
     t0 = time.perf_counter()
     t = load(target, settings)
     device = resolve_device(settings.device)
@@ -69,14 +76,25 @@ def search(
     # a sharded step is recorded under the real engine, sharded per the planner's blocks (docs/design.md §6)
     model, runner, step = build_runner(t, settings, world_size, shard, units_of=find_blocks)
     built_s = round(time.perf_counter() - t0, 2)
-    with user_errors("searching"), runner:
-        searcher = Searcher(
-            runner, progress=progress, world_size=world_size, shard=shard, segments=segments, candidates=candidates
-        )
-        fixed = batch_size
-        if target_batch is not None and batch_size is None:
-            fixed = None
-        res = searcher.search(budget.usable_bytes, batch_size=fixed)
+    fixed = batch_size
+    if target_batch is not None and batch_size is None:
+        fixed = None
+    with user_errors("searching"), runner, contextlib.ExitStack() as stack:
+
+        def searcher_over(probe_runner, real=None) -> Searcher:
+            return Searcher(
+                probe_runner, progress=progress, world_size=world_size, shard=shard, segments=segments,
+                candidates=candidates, real=real,
+            )
+
+        searcher, res, why = None, None, None
+        if fake_probes and device == "cpu" and world_size == 1 and isinstance(runner, HostGuard):
+            searcher, res, why = _fake_probed(lambda: searcher_over(stack.enter_context(fake_cpu_runner(t, step)), runner), budget.usable_bytes, fixed)
+        if res is None:
+            searcher = searcher_over(runner)
+            res = searcher.search(budget.usable_bytes, batch_size=fixed)
+            if why is not None:
+                res.notes.append(f"every probe ran on the device: under fake tensors {why}")
         if target_batch is not None:
             res = _fit_target_batch(searcher, res, target_batch, budget.usable_bytes)
         b1, b2 = searcher.b1, searcher.b2
@@ -112,6 +130,23 @@ def search(
         sharding=searcher.sharding,
     )
     return SearchOutcome(plan, res, budget, t.is_hf, target_batch, searcher.world_size, searcher.shard, searcher.sharding)
+
+
+def _fake_probed(make: Callable[[], Searcher], budget: int, batch_size: int | None) -> tuple[Searcher | None, SearchResult | None, str | None]:
+    """(searcher, result, None) of a search whose probes are recorded under fake tensors; (None, None,
+    why) when fake tensors cannot record this step (a data-dependent op) or the search failed before the
+    user's step ran for real: it is then searched again with every step on the device."""
+    searcher = None
+    try:
+        searcher = make()
+        return searcher, searcher.search(budget, batch_size=batch_size), None
+    except (NoFitError, KeyboardInterrupt, MemoryError, torch.OutOfMemoryError):
+        raise
+    except Exception as e:
+        if searcher is not None and searcher.plain_ran and as_fake_mode_error(e) is None:
+            raise
+        err = as_fake_mode_error(e)
+        return None, None, err.message if err is not None else f"the step failed ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
 
 
 def _fit_target_batch(searcher: Searcher, res: SearchResult, want: int, budget: int) -> SearchResult:

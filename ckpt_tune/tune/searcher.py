@@ -97,6 +97,9 @@ SEGMENT_TRIALS = 4
 # Solves per batch in the plan-verify loop (tightenings, segment trials, dropped refinements together)
 # before the batch is taken as not fitting and the search tries one smaller, as after MAX_TIGHTENINGS.
 SOLVES_PER_BATCH = 4 * 8
+# With probes under fake tensors, a step runs for real only where the recorded terms put its peak this
+# fraction under the budget (fake and real steps differ by tens of bytes; a margin for what they miss).
+REAL_ROOM = 0.02
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,10 @@ class SearchResult:
     # reported prediction was solved again on terms learned from that run (estimated segments measured)
     first_predicted_peak: int | None = None
     resolved: bool = False
+    # probes recorded under fake tensors (the probe policy): the real steps run (recorded and timed), and
+    # the largest real recorded peak; None where every step ran on the device as recorded
+    real_steps: int | None = None
+    largest_real_peak: int | None = None
 
 
 class Searcher(ProbeSteps):
@@ -151,8 +158,16 @@ class Searcher(ProbeSteps):
         shard: str = "none",
         segments: bool = False,
         candidates: frozenset[str] | None = None,
+        real: StepRunner | None = None,
     ):
+        # `runner` records the probes; `real` (default: the same runner) runs the steps that must be real:
+        # step times, the verification, the user's plain step (docs/design.md §4, the probe policy)
         self.runner = runner
+        self.real = runner if real is None else real
+        self.budget: int | None = None  # the budget of the search under way (real steps stay within it)
+        self.real_peaks: list[int] = []  # peaks of the real recorded steps, when probes are fake
+        self.real_timed = 0  # real steps run to time the step (warm-up included), when probes are fake
+        self._real_timing: Timing | None = None  # the one real timing the costs scale from, then
         # the kinds of choice the planner may use (vocab.CANDIDATES); None: all
         self.candidates = frozenset(CANDIDATES if candidates is None else candidates)
         # also consider runs of consecutive blocks under one checkpoint (segment.py), where torch can
@@ -282,7 +297,9 @@ class Searcher(ProbeSteps):
         marked = (*self.units, *self.groups, *self._between)
         with _inputs_changed(self.runner.model, marked) as changed:
             m = self.runner.measure(batch_size, units=marked)
-        self.plain_ran = True  # the user's step ran as it is: whatever fails from here on is ckpt-tune's
+        # the user's step ran as it is: whatever fails from here on is ckpt-tune's (under fake tensors, once
+        # the real step has run too: `_real_plain`)
+        self.plain_ran = self.real is self.runner
         self.runs += 1
         self._refused |= set(changed)
         if changed:
@@ -389,7 +406,7 @@ class Searcher(ProbeSteps):
             )
         if not useful:
             return []
-        if self.runner.fake:
+        if self.real.fake:
             # no device to time: a policy's cost is the share of the block's forward in the ops it
             # recomputes, on a roofline (the shares above, which price it in `_time` too)
             dear = {p: min(shares[(u, p)] for u in self.units) for p in useful}
@@ -398,7 +415,7 @@ class Searcher(ProbeSteps):
             # each kind of block timed alone under each policy, at the second small batch: a policy
             # torch refuses is left out before any step is recorded with it
             at = max(batch_size, self.b2)
-            self._ratios, refused = policy_ratios(self.runner, at, self.units, useful)
+            self._ratios, refused = policy_ratios(self.real, at, self.units, useful)
             for p, why in refused.items():
                 self.notes.append(f"op policy {p} left out: torch refused it on this model ({why})")
             useful = [p for p in useful if p not in refused]
@@ -472,7 +489,7 @@ class Searcher(ProbeSteps):
 
     def _time(self, batch_size: int) -> tuple[tuple[tuple[float, ...], ...], float]:
         scale, oom, t = 1.0, False, None
-        if self.repeat is not None and self.runner.fake:
+        if self.repeat is not None and self.real.fake:
             # FLOPs of identical blocks are identical: count them on the shortened chain
             self._say(f"counting FLOPs at batch {batch_size} on {len(self.repeat.short_units)} of {len(self.units)} blocks")
             rep = self.repeat
@@ -481,6 +498,8 @@ class Searcher(ProbeSteps):
             mid = step.get(rep.short_units[rep.first + 1], 0.0)
             total = step[None] + rep.removed * mid
             t = Timing(batch_size, (), max(total, 1e-9), extend_forward(forward, rep), unit="GFLOP")
+        if t is None and self.real is not self.runner:
+            t, scale = self._time_within_budget(batch_size)
         if t is None:
             try:
                 t = self.runner.time_step(batch_size, repeats=3)
@@ -496,7 +515,7 @@ class Searcher(ProbeSteps):
         # a policy's cost relative to its block's forward: on a device, its time against checkpointing
         # the whole block (measured once by order_units); under fake tensors, the share of the forward
         # in the ops it recomputes, on a roofline
-        shares = self._recompute_shares(at, policies) if self.runner.fake else self._ratios
+        shares = self._recompute_shares(at, policies) if self.real.fake else self._ratios
 
         def cost(u: str, k: int) -> float:
             policy = policy_of(self.options[k])
@@ -507,6 +526,40 @@ class Searcher(ProbeSteps):
 
         costs = tuple((0.0, *(cost(u, k) for k in range(1, len(self.options)))) for u in self.units)
         return costs, scale * t.step_ms
+
+    def _time_within_budget(self, batch_size: int) -> tuple[Timing, float]:
+        """(timing, scale) for `batch_size` when probes are fake: one real step timed, at the largest batch
+        whose plain step the terms of the small batches put REAL_ROOM under the budget (every block
+        checkpointed at the first small batch where none does), scaled linearly in the batch
+        (docs/design.md §4)."""
+        if self._real_timing is None:
+            none = (0,) * len(self.units)
+
+            def plain_fits(b: int) -> bool:
+                t = self.fitted(b, self.b1, self.b2)
+                return t.measured.get(none, predict(t, none)) <= (self.budget or 0) * (1 - REAL_ROOM)
+
+            at, checkpoint = self.b1, []
+            if plain_fits(at):
+                hi = 2 * at
+                while hi <= MAX_BATCH and plain_fits(hi):
+                    at, hi = hi, 2 * hi
+                while hi - at > 1:
+                    mid = (at + hi) // 2
+                    at, hi = (mid, hi) if plain_fits(mid) else (at, mid)
+            else:
+                checkpoint = list(self.units)
+            self._say(f"timing the step at batch {at} on the device" + (", every block checkpointed" if checkpoint else ""))
+            t = self.real.time_step(at, checkpoint=checkpoint, repeats=3)
+            # checkpointed, the blocks' forwards ran twice: the plain step's time runs them once
+            again = sum(t.forward_ms.get(u, 0.0) for u in checkpoint)
+            self._real_timing = replace(t, step_ms=max(t.step_ms - again, 1e-9))
+            self.real_timed += 4  # a warm-up and three timed steps (measure/runner.py)
+            self.notes.append(
+                f"step times measured on the device at batch {at}{' with every block checkpointed' if checkpoint else ''}"
+                " and scaled linearly to other batches (the probes ran under fake tensors)"
+            )
+        return self._real_timing, batch_size / self._real_timing.batch_size
 
     @property
     def _kind(self) -> int:
@@ -655,7 +708,7 @@ class Searcher(ProbeSteps):
         )
         self._at = batch_size
         with self._stage("verify"):
-            m = self._measure_plan(batch_size, names)
+            m = self._measure_plan(batch_size, names, self.real)
         self.runs += 1
         if batch_size in self._terms:
             self._learn_segments(batch_size, choice, m)
@@ -667,12 +720,16 @@ class Searcher(ProbeSteps):
         moments = (shard_moment(x, self.world_size, self.shard, self.gathered_bytes()) for x in moments_of(m))
         return peak_of(moments).total
 
-    def _measure_plan(self, batch_size: int, names) -> Measurement:
+    def _measure_plan(self, batch_size: int, names, runner: StepRunner | None = None) -> Measurement:
         """One recorded iteration of a plan at full depth (the verification, here or beside the probes
         in a forked process): recorded per module where the sharding arithmetic needs the moments."""
-        return self.runner.measure(
+        runner = runner or self.runner
+        m = runner.measure(
             batch_size, checkpoint=list(names), units=self.units, attribute=self.sharding == "arithmetic", accum_steps=self.accum_steps
         )
+        if runner is self.real and self.real is not self.runner:
+            self.real_peaks.append(m.peak_bytes)
+        return m
 
     # -- the search -------------------------------------------------------------------------
     def largest_fitting(self, budget: int, b1: int, b2: int) -> int:
@@ -758,7 +815,7 @@ class Searcher(ProbeSteps):
         failure after the user's plain step ran is ckpt-tune's (docs/design.md §8): LimitationError."""
         try:
             res = self._search(budget, batch_size, b1, b2)
-            if batch_size is None and self.world_size == 1 and self.accum_steps == 1 and not self.runner.fake:
+            if batch_size is None and self.world_size == 1 and self.accum_steps == 1 and not self.real.fake:
                 res = self._refinement("the every-block floor", "the plan", lambda: self._floor(res, budget), res)
             return res
         except (torch.OutOfMemoryError, MemoryError, KeyboardInterrupt):
@@ -814,8 +871,14 @@ class Searcher(ProbeSteps):
             if got > budget:
                 break
             best, peak = best + 1, got
+        if self.real is not self.runner:  # probed under fake tensors: the answer is verified for real
+            self.runs += 1
+            peak = self._measure_plan(best, leaves, self.real).peak_bytes
+            if peak > budget:
+                return res
         # the checkpointed step's time: its blocks' forwards run twice, the plain step's once
-        timing = self.runner.time_step(best, checkpoint=leaves)
+        timing = self.real.time_step(best, checkpoint=leaves)
+        self.real_timed += 4 if self.real is not self.runner else 0
         again = sum(timing.forward_ms.get(n, 0.0) for n in leaves)
         recompute = again / max(timing.step_ms - again, 1e-9)
         predicted = above + (best - b - 1) * per  # linear in the batch from the two runs, made before `best` ran
@@ -837,13 +900,26 @@ class Searcher(ProbeSteps):
         # the plain step at this batch is not run (on a device of the budget's size it would not fit)
         out.baselines["every block"] = FrontierRow(best, out.checkpoint, peak, out.recompute_fraction, True)
         out.probes = self.runs
+        if self.real is not self.runner:
+            out.real_steps, out.largest_real_peak = len(self.real_peaks) + self.real_timed, max(self.real_peaks)
         return out
+
+    def _real_plain(self, batch_size: int, budget: int) -> None:
+        """Probes under fake tensors: the user's step run for real once, at the first small batch, as it
+        is where the recorded plain step fits the budget (else every block checkpointed), so that a
+        failure of the real step is the user's and what fails later is ckpt-tune's."""
+        plain = self._order_cut[1].peak_above_static + self._order_cut[2] if self._order_cut else 0
+        checkpoint = [] if plain <= budget * (1 - REAL_ROOM) else list(self.units)
+        self._say(f"running the step for real at batch {batch_size}" + (" with every block checkpointed" if checkpoint else ""))
+        m = self.real.measure(batch_size, checkpoint=checkpoint)
+        self.real_peaks.append(m.peak_bytes)
+        self.plain_ran = True
 
     def _plain_again(self) -> None:
         """After a failure: the user's plain step at the batch it happened at, with nothing of ckpt-tune's
         added. It raising (make_batch or the model cannot take that batch) is the user's error."""
-        if self._at is not None and self._at != self.b1:
-            self.runner.measure(self._at)
+        if self._at is not None and (self._at != self.b1 or self.real is not self.runner):
+            self.real.measure(self._at)
 
     def _limitation(self, error: BaseException) -> LimitationError:
         return LimitationError(
@@ -857,6 +933,7 @@ class Searcher(ProbeSteps):
     def _search(self, budget: int, batch_size: int | None, b1: int | None, b2: int | None) -> SearchResult:
         self.b1, self.b2 = b1 or self.b1, b2 or self.b2
         self._settled = False
+        self.budget = budget
         try:
             self.order_units(self.b1)
         except Exception as e:  # raised by the user's model (session.user_errors words it for the user)
@@ -870,6 +947,8 @@ class Searcher(ProbeSteps):
         over = self._states_over(budget)  # the ordering step has built every state: nothing to probe
         if over is not None:
             raise over
+        if not self.plain_ran:
+            self._real_plain(b1, budget)
         self.prefetch((b1, b2) if batch_size is None else (batch_size, b1, b2), timing=(batch_size or b1,))
         if batch_size is None:
             guess = self.largest_fitting(budget, b1, b2)
@@ -991,6 +1070,8 @@ class Searcher(ProbeSteps):
         res.notes.extend(self.notes)
         res.extended_terms = self.repeat.extended() if self.repeat is not None and self._kind == 1 else {}
         res.stage_seconds = dict(self.stage_seconds)
+        res.real_steps = len(self.real_peaks) + self.real_timed if self.real is not self.runner else None
+        res.largest_real_peak = max(self.real_peaks, default=None)
         return res
 
     def frontier_sizes(self, b: int) -> list[int]:
