@@ -23,7 +23,7 @@ steps, with their peaks): recorded steps that peak above the budget are the ones
 memory on a device of that size (search then falls back to fitted terms; that path is not timed here).
 Finally each configuration found is timed (interleaved steps): samples per second at the batch and plan.
 
-    .venv/bin/python benchmarks/batch_finder.py [--model gpt] [--vram 160MiB,320MiB] [--quick] [--allow-dirty]
+    .venv/bin/python benchmarks/batch_finder.py [--model gpt,hf_gpt2,vit] [--vram 160MiB,320MiB] [--quick] [--allow-dirty]
 """
 
 from __future__ import annotations
@@ -181,17 +181,22 @@ class Finder:
 
 def run_budget(ex, vram: str, blocks: tuple[str, ...], repeats: int) -> dict:
     budget = parse_budget(vram, "cpu", None).usable_bytes
-    counts = {"iterations": 0, "recorded": 0, "recorded_over_budget": 0}
+    counts = {"iterations": 0, "recorded": 0, "recorded_over_budget": 0, "real_iterations": 0, "real_recorded": 0, "real_over_budget": 0}
     orig_iter, orig_measure = StepRunner.iteration, StepRunner.measure
 
     def iteration(self, batch_size, *a, **k):
         counts["iterations"] += 1
+        counts["real_iterations"] += int(not self.fake)
         return orig_iter(self, batch_size, *a, **k)
 
     def measure(self, *a, **k):
         m = orig_measure(self, *a, **k)
         counts["recorded"] += 1
         counts["recorded_over_budget"] += int(m.peak_bytes > budget)
+        if not self.fake:  # a real step: on a device of the budget's size, one over it is an OOM
+            counts["real_recorded"] += 1
+            counts["real_over_budget"] += int(m.peak_bytes > budget)
+            counts["largest_real_peak"] = max(counts.get("largest_real_peak", 0), m.peak_bytes)
         return m
 
     StepRunner.iteration, StepRunner.measure = iteration, measure
@@ -208,6 +213,10 @@ def run_budget(ex, vram: str, blocks: tuple[str, ...], repeats: int) -> dict:
         "finder": "ckpt-tune search", "batch": plan.batch_size, "checkpointed": list(checkpoint),
         "wall_s": tool_s, "steps": counts["iterations"], "failed_steps": 0, "recorded_steps": counts["recorded"],
         "recorded_over_budget": counts["recorded_over_budget"], "probes_reported": outcome.result.probes,
+        # this process's steps only: the fake probes of forked processes are in probes_reported
+        "real_steps": counts["real_iterations"], "real_recorded": counts["real_recorded"],
+        "real_over_budget": counts["real_over_budget"], "largest_real_peak": counts.get("largest_real_peak"),
+        "fake_recorded": outcome.result.probes - counts["real_recorded"],
         "trials": None, "measured_bytes": tool_peak, "fits": tool_peak <= budget,
         "note": "every step it ran (recorded, timed, warm-up); wall time end to end, as run on CPU",
     }]
@@ -216,7 +225,8 @@ def run_budget(ex, vram: str, blocks: tuple[str, ...], repeats: int) -> dict:
     base = outcome.result.baselines.get("no checkpointing")
     probe_peak = base.predicted_peak if base else None
     print(f"{vram}: ckpt-tune: batch {plan.batch_size}, {_checkpointed(checkpoint, len(blocks))} blocks, {tool_s:.1f} s, "
-          f"{counts['iterations']} steps ({counts['recorded']} recorded, {counts['recorded_over_budget']} of them over the budget); "
+          f"{counts['real_iterations']} real steps ({counts['real_recorded']} recorded, {counts['real_over_budget']} of them over the budget), "
+          f"{outcome.result.probes - counts['real_recorded']} recorded under fake tensors; "
           f"harness peak {mib(tool_peak)} MiB of {mib(budget)}", flush=True)
     configs = {"ckpt-tune search": (plan.batch_size, checkpoint)}
     for ck_label, ck in (("every block", blocks), ("no checkpointing", ())):
@@ -245,6 +255,8 @@ def run_budget(ex, vram: str, blocks: tuple[str, ...], repeats: int) -> dict:
         r["step_s"] = med[cfg]
         r["samples_per_s"] = cfg[0] / med[cfg]
         r["time_ratio_vs_ckpt_tune"] = r["wall_s"] / tool_s
+    # what the search cost, in plain training steps of the plan it reports
+    rows[0]["search_in_plan_steps"] = tool_s / med[configs["ckpt-tune search"]]
     return {"vram": vram, "budget_bytes": budget, "rows": rows, "ckpt_tune_no_checkpointing_probe_bytes": probe_peak}
 
 
@@ -255,46 +267,21 @@ def _checkpointed(entries, n: int) -> str:
     return f"{count}/{n}" + (f" in {segs} segment{'s' if segs > 1 else ''}" if segs else "")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gpt")
-    ap.add_argument("--vram", default="160MiB,320MiB", help="budgets, comma-separated")
-    ap.add_argument("--repeats", type=int, default=5, help="interleaved timed steps per configuration found")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: stable timings on a shared machine)")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 160MiB only, 3 repeats")
-    args = ap.parse_args()
-    if args.quick:
-        args.vram, args.repeats = "160MiB", 3
-    torch.set_num_threads(args.threads)
-    ex = example(args.model)
-    blocks = tuple(find_blocks(ex.build()))
-    runs = [run_budget(ex, v, blocks, args.repeats) for v in args.vram.split(",")]
-    load = " ".join(f"{x:.2f}" for x in __import__("os").getloadavg())
-    parts = [
-        f"Model `{ex.spec}`, {args.threads} torch thread(s){' (--quick)' if args.quick else ''}. "
-        "ckpt-tune: `api.search` end to end, as it runs on CPU; steps run = every training iteration it ran (recorded, "
-        "timed, warm-up), of which recorded = profiled. Lightning finders: "
-        f"init_val {INIT_VAL}, steps_per_trial {STEPS_PER_TRIAL}, max_trials {MAX_TRIALS}; a trial OOMs when the harness-measured "
-        "peak exceeds the budget. **Charging rule**: a trial that fits is charged its three plain training steps; a trial "
-        "that fails is charged what it costs on a GPU, where it dies inside its first step: one plain first step at that "
-        "batch times the fraction of the (profiled) step that runs before live bytes first pass the budget, so at most "
-        "one step; crash recovery is not charged. `old rule`: three full steps for every trial, failing ones included "
-        "(the previous version of this benchmark). Samples/s: median of interleaved steps of each configuration found "
-        f"(noisy on a shared machine; compare within one table only). Load average at the end: {load} on "
-        f"{__import__('os').cpu_count()} CPUs: timings are from a machine shared with other work.",
-    ]
-    summary = []
+def report_model(ex, blocks: tuple[str, ...], runs: list[dict], summary: list[str]) -> list[str]:
+    """The markdown sections of one model's budgets; appends its summary lines to `summary`."""
+    parts = [f"## Model `{ex.spec}` ({len(blocks)} blocks)"]
     for run in runs:
         rows = run["rows"]
         tool = rows[0]
         parts += [
-            f"## Budget {run['vram']} ({run['budget_bytes']:,} bytes)",
+            f"### {ex.name}, budget {run['vram']} ({run['budget_bytes']:,} bytes)",
             md_table(
                 ["finder", "batch found", "blocks checkpointed", "measured peak MiB", "fits", "steps run (+ failed first steps)",
                  "charged time", "time / ckpt-tune's", "old rule: time", "samples/s at the result"],
                 [[r["finder"], r["batch"], _checkpointed(r["checkpointed"], len(blocks)), mib(r["measured_bytes"]),
                   "yes" if r["fits"] else "NO",
-                  (f"{r['steps']} ({r['recorded_steps']} recorded)" if r["trials"] is None else f"{r['steps']} + {r['failed_steps']}"),
+                  (f"{r['real_steps']} real ({r['real_recorded']} recorded) + {r['fake_recorded']} fake" if r["trials"] is None
+                   else f"{r['steps']} + {r['failed_steps']}"),
                   f"{r['wall_s']:.1f} s", f"{r['time_ratio_vs_ckpt_tune']:.2f}",
                   "-" if r["trials"] is None else f"{r['old_rule_s']:.1f} s", f"{r['samples_per_s']:.1f}"] for r in rows],
             ),
@@ -303,26 +290,64 @@ def main() -> None:
                 f"{r['finder']}: " + ", ".join(f"{c['batch']}: {c['fraction_before_oom']:.2f}, {c['charged_s']:.2f} s"
                                                for c in r["charges"] if not c["fits"])
                 for r in rows if r["trials"] and any(not c["fits"] for c in r["charges"])),
-            f"ckpt-tune ran {tool['steps']} steps, {tool['recorded_steps']} of them recorded; {tool['recorded_over_budget']} recorded "
-            "steps peaked above the budget (on a device of that size they would run out of memory and search would fall back "
-            "to terms fitted from batches 1 and 4).",
+            f"ckpt-tune: {tool['recorded_steps'] - tool['real_recorded']} steps recorded under fake tensors in this process and "
+            f"{tool['fake_recorded']} in all (forked processes included); {tool['real_steps']} real steps "
+            f"({tool['real_recorded']} recorded, the rest timed or warm-up), of which {tool['real_over_budget']} peaked above the "
+            f"budget; the largest real recorded peak {mib(tool['largest_real_peak'] or 0)} MiB of {mib(run['budget_bytes'])}. "
+            f"The search cost {tool['search_in_plan_steps']:.1f} plain training steps of the plan it reports.",
         ]
-        probe = run["ckpt_tune_no_checkpointing_probe_bytes"]
-        if probe and probe > run["budget_bytes"]:
-            parts.append(
-                f"ckpt-tune's own probes at batch {tool['batch']} include a step without checkpointing, which peaked at "
-                f"{mib(probe)} MiB, {probe / run['budget_bytes']:.2f}x the budget."
-            )
         best = min(rows[1:], key=lambda r: r["wall_s"])
         faster = [r["finder"] for r in rows[1:] if r["wall_s"] < tool["wall_s"]]
-        summary.append(f"{run['vram']}: ckpt-tune batch {tool['batch']} in {tool['wall_s']:.1f} s ({tool['steps']} steps); "
-                       f"finders faster than ckpt-tune under the charging rule: {', '.join(faster) if faster else 'none'} "
-                       f"(fastest: {best['finder']}, batch {best['batch']}, {best['wall_s']:.1f} s).")
+        binsearch = next(r for r in rows if r["finder"] == "Lightning binsearch, every block")
+        summary.append(
+            f"{ex.name} {run['vram']}: ckpt-tune batch {tool['batch']} in {tool['wall_s']:.1f} s "
+            f"({tool['search_in_plan_steps']:.1f} steps of its plan; {tool['real_over_budget']} real steps over the budget); "
+            f"Lightning binsearch, every block: batch {binsearch['batch']} in {binsearch['wall_s']:.1f} s "
+            f"({binsearch['wall_s'] / tool['wall_s']:.2f}x ckpt-tune's time); finders faster than ckpt-tune: "
+            f"{', '.join(faster) if faster else 'none'} (fastest: {best['finder']}, batch {best['batch']}, {best['wall_s']:.1f} s)."
+        )
+    return parts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gpt,hf_gpt2,vit", help="examples, comma-separated")
+    ap.add_argument("--vram", default="160MiB,320MiB", help="budgets, comma-separated")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved timed steps per configuration found")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: stable timings on a shared machine)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 160MiB only, 3 repeats")
+    args = ap.parse_args()
+    if args.quick:
+        args.vram, args.repeats = "160MiB", 3
+    torch.set_num_threads(args.threads)
+    summary: list[str] = []
+    parts = [
+        f"{args.threads} torch thread(s){' (--quick)' if args.quick else ''}. "
+        "ckpt-tune: `api.search` end to end, as it runs on CPU: its probes are recorded under fake tensors with the CPU "
+        "allocator's rules (shared out over forked processes), its step times and its verification are real steps. "
+        "Lightning finders: "
+        f"init_val {INIT_VAL}, steps_per_trial {STEPS_PER_TRIAL}, max_trials {MAX_TRIALS}; a trial OOMs when the harness-measured "
+        "peak exceeds the budget. **Charging rule**: a trial that fits is charged its three plain training steps; a trial "
+        "that fails is charged what it costs on a GPU, where it dies inside its first step: one plain first step at that "
+        "batch times the fraction of the (profiled) step that runs before live bytes first pass the budget, so at most "
+        "one step; crash recovery is not charged. ckpt-tune is charged its whole wall time. `old rule`: three full steps "
+        "for every trial, failing ones included. Samples/s: median of interleaved steps of each configuration found "
+        "(noisy on a shared machine; compare within one table only).",
+    ]
+    data = []
+    for name in args.model.split(","):
+        ex = example(name)
+        blocks = tuple(find_blocks(ex.build()))
+        runs = [run_budget(ex, v, blocks, args.repeats) for v in args.vram.split(",")]
+        parts += report_model(ex, blocks, runs, summary)
+        data.append({"model": ex.spec, "budgets": runs})
+    load = " ".join(f"{x:.2f}" for x in __import__("os").getloadavg())
+    parts[0] += f" Load average at the end: {load} on {__import__('os').cpu_count()} CPUs."
     parts.insert(1, "## Summary\n\n" + "\n".join(f"- {x}" for x in summary))
     body = "\n\n".join(parts)
     print(body)
     write_results("batch_finder", "Batch finding: ckpt-tune search vs trial and error",
-                  {"model": ex.spec, "threads": args.threads, "quick": args.quick, "budgets": runs}, body)
+                  {"threads": args.threads, "quick": args.quick, "models": data}, body)
 
 
 if __name__ == "__main__":

@@ -142,7 +142,13 @@ def render_search(outcome, plan_yaml: str, patch: str, elapsed_s: float) -> None
     err.print(Panel(Syntax(plan_yaml, "yaml", theme="ansi_dark", background_color="default"), title="plan", title_align="left"))
     err.print(Panel(Syntax(patch, "python", theme="ansi_dark", background_color="default"), title="patch", title_align="left"))
     extended = f"; terms of {len(res.extended_terms)} identical blocks extended, not recorded" if res.extended_terms else ""
-    err.print(f"searched in {elapsed_s:.1f} s ({res.probes} recorded steps{extended})")
+    real = ""
+    if res.real_steps is not None:  # probes under fake tensors: what ran for real
+        real = (
+            f": {res.probes - res.real_steps} under fake tensors, {res.real_steps} real, and {res.timed_steps} real steps "
+            f"timed; the largest real step peaked at {format_bytes(res.largest_real_peak or 0)}"
+        )
+    err.print(f"searched in {elapsed_s:.1f} s ({res.probes} recorded steps{real}{extended})")
 
 
 def _plan_label(plan: tuple[Entry, ...], units: tuple[str, ...]) -> str:

@@ -108,6 +108,11 @@ def search(
             "baselines": {k: v.to_dict() for k, v in res.baselines.items()},
             "candidates": list(res.units),
             "recorded_steps": res.probes,
+            # probes under fake tensors (--device cpu): of the recorded steps, the real ones; the real steps
+            # that timed the step; the largest real recorded peak (null where every step was real)
+            "real_recorded_steps": res.real_steps,
+            "timed_steps": res.timed_steps,
+            "largest_real_peak_bytes": res.largest_real_peak,
             "extended_terms": res.extended_terms,
             "stage_seconds": res.stage_seconds,
             "elapsed_s": round(elapsed, 2),

@@ -140,9 +140,11 @@ class SearchResult:
     # reported prediction was solved again on terms learned from that run (estimated segments measured)
     first_predicted_peak: int | None = None
     resolved: bool = False
-    # probes recorded under fake tensors (the probe policy): the real steps run (recorded and timed), and
-    # the largest real recorded peak; None where every step ran on the device as recorded
+    # probes recorded under fake tensors (the probe policy): of `probes`, those recorded for real; the real
+    # steps run to time the step (warm-up included); the largest real recorded peak. None where every
+    # step ran on the device
     real_steps: int | None = None
+    timed_steps: int | None = None
     largest_real_peak: int | None = None
 
 
@@ -900,9 +902,14 @@ class Searcher(ProbeSteps):
         # the plain step at this batch is not run (on a device of the budget's size it would not fit)
         out.baselines["every block"] = FrontierRow(best, out.checkpoint, peak, out.recompute_fraction, True)
         out.probes = self.runs
-        if self.real is not self.runner:
-            out.real_steps, out.largest_real_peak = len(self.real_peaks) + self.real_timed, max(self.real_peaks)
+        self._real_counts(out)
         return out
+
+    def _real_counts(self, res: SearchResult) -> None:
+        """The result's counts of real steps, where the probes ran under fake tensors."""
+        if self.real is not self.runner:
+            res.real_steps, res.timed_steps = len(self.real_peaks), self.real_timed
+            res.largest_real_peak = max(self.real_peaks, default=None)
 
     def _real_plain(self, batch_size: int, budget: int) -> None:
         """Probes under fake tensors: the user's step run for real once, at the first small batch, as it
@@ -913,6 +920,7 @@ class Searcher(ProbeSteps):
         self._say(f"running the step for real at batch {batch_size}" + (" with every block checkpointed" if checkpoint else ""))
         m = self.real.measure(batch_size, checkpoint=checkpoint)
         self.real_peaks.append(m.peak_bytes)
+        self.runs += 1
         self.plain_ran = True
 
     def _plain_again(self) -> None:
@@ -1070,8 +1078,7 @@ class Searcher(ProbeSteps):
         res.notes.extend(self.notes)
         res.extended_terms = self.repeat.extended() if self.repeat is not None and self._kind == 1 else {}
         res.stage_seconds = dict(self.stage_seconds)
-        res.real_steps = len(self.real_peaks) + self.real_timed if self.real is not self.runner else None
-        res.largest_real_peak = max(self.real_peaks, default=None)
+        self._real_counts(res)
         return res
 
     def frontier_sizes(self, b: int) -> list[int]:
