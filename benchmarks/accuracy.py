@@ -114,9 +114,12 @@ def case(model: str, b: int, label: str, kind: str, choice, t, fitted, measure) 
     return row
 
 
+FAKE_PROBES = False  # --fake-probes
+
+
 def run_model(name: str, batches: tuple[int, ...], others: tuple[int, ...], rng: random.Random) -> tuple[list[dict], list[dict]]:
     ex = example(name)
-    s = tool_searcher(ex.spec)
+    s = tool_searcher(ex.spec, fake_probes=FAKE_PROBES)
     s.order_units(min(batches))
     n = len(s.units)
 
@@ -163,7 +166,7 @@ def run_zoo_member(name: str, rng: random.Random) -> list[dict]:
 
     m = MEMBERS[name]
     b = m.profile_batch
-    s = tool_searcher(m.path_spec)
+    s = tool_searcher(m.path_spec, fake_probes=FAKE_PROBES)
     s.order_units(b)
     t = s.terms(b)
     n = len(s.units)
@@ -196,7 +199,12 @@ def main() -> None:
     ap.add_argument("--zoo", default=None, help="zoo members (comma-separated; default: a fast eight; 'none': skip)")
     ap.add_argument("--quick", action="store_true", help="two probed batches, one unprobed, two zoo members")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (memory does not depend on it)")
+    ap.add_argument("--fake-probes", action="store_true",
+                    help="the probes under fake tensors with the CPU allocator's rules, as `search` records them on "
+                         "--device cpu; results in accuracy_fake_probes.md")
     args = ap.parse_args()
+    global FAKE_PROBES
+    FAKE_PROBES = args.fake_probes
     torch.set_num_threads(args.threads)
     rng = random.Random(SEED)
     t0 = time.perf_counter()
@@ -270,7 +278,8 @@ def main() -> None:
     parts += ["## Per model", mtable, "## Every case", table, "## `ckpt-tune profile`", ptable]
     body = "\n\n".join(parts)
     print(stable)
-    write_results("accuracy", "Prediction accuracy: in sample and out of sample",
+    write_results("accuracy_fake_probes" if FAKE_PROBES else "accuracy",
+                  "Prediction accuracy: in sample and out of sample" + (", probes under fake tensors" if FAKE_PROBES else ""),
                   {"seed": SEED, "summary": summ, "per_model": per_model, "rows": rows, "harness_failures": failed,
                    "profile_rows": prof_rows, "elapsed_s": elapsed}, body)
 

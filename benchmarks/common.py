@@ -318,8 +318,10 @@ def pct(x: float) -> str:
 
 
 # -- ckpt-tune's side ---------------------------------------------------------------------------------
-def tool_searcher(spec: str, device: str = "cpu"):
-    """A ckpt_tune Searcher on a freshly built target, as `api.search` sets one up (entered runner)."""
+def tool_searcher(spec: str, device: str = "cpu", fake_probes: bool = False):
+    """A ckpt_tune Searcher on a freshly built target, as `api.search` sets one up (entered runner).
+    `fake_probes`: its probes recorded under fake tensors with the CPU allocator's rules, its real steps
+    (timing, verification) on the real runner, as `api.search` runs on `--device cpu`."""
     from ckpt_tune.measure import loader, user_code
     from ckpt_tune.measure.runner import StepRunner, StepSettings
     from ckpt_tune.tune.searcher import Searcher
@@ -333,6 +335,12 @@ def tool_searcher(spec: str, device: str = "cpu"):
         StepSettings(device=device),
     )
     runner.__enter__()
+    if fake_probes:
+        from ckpt_tune.measure.session import fake_cpu_runner
+
+        fake = fake_cpu_runner(target, runner.settings)
+        fake.__enter__()
+        return Searcher(fake, segments=True, real=runner)
     return Searcher(runner, segments=True)
 
 

@@ -134,19 +134,20 @@ def search(
 
 def _fake_probed(make: Callable[[], Searcher], budget: int, batch_size: int | None) -> tuple[Searcher | None, SearchResult | None, str | None]:
     """(searcher, result, None) of a search whose probes are recorded under fake tensors; (None, None,
-    why) when fake tensors cannot record this step (a data-dependent op) or the search failed before the
-    user's step ran for real: it is then searched again with every step on the device."""
-    searcher = None
+    why) when that failed (fake tensors cannot record a data-dependent op; any failure of ckpt-tune's
+    own): a refinement of ours (docs/design.md §8), so the step is searched again with every step on
+    the device, where the user's own errors are told as theirs."""
     try:
         searcher = make()
         return searcher, searcher.search(budget, batch_size=batch_size), None
     except (NoFitError, KeyboardInterrupt, MemoryError, torch.OutOfMemoryError):
         raise
     except Exception as e:
-        if searcher is not None and searcher.plain_ran and as_fake_mode_error(e) is None:
-            raise
         err = as_fake_mode_error(e)
-        return None, None, err.message if err is not None else f"the step failed ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+        if err is not None:
+            return None, None, err.message
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+        return None, None, f"the search failed ({type(e).__name__}: {first})".replace(": )", ")")
 
 
 def _fit_target_batch(searcher: Searcher, res: SearchResult, want: int, budget: int) -> SearchResult:
