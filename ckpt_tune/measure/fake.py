@@ -40,7 +40,13 @@ from torch.utils._pytree import tree_flatten
 
 from ckpt_tune.errors import CkptTuneError
 from ckpt_tune.measure import timeline
-from ckpt_tune.measure.fake_ops import RECORD_FUNCTION_ENTER, SHORTCUTS, MetaGaps, cpu_rng_states, eager_hf_masks
+from ckpt_tune.measure.fake_ops import (
+    RECORD_FUNCTION_ENTER,
+    SHORTCUTS,
+    MetaGaps,
+    cpu_rng_states,
+    eager_hf_masks,
+)
 from ckpt_tune.measure.scratch import (
     CPU_SCRATCH_OPS,
     CUDA_BLOCK_ROUND,

@@ -22,9 +22,9 @@ from torch import nn
 from ckpt_tune import vocab
 from ckpt_tune.errors import NoFitError
 from ckpt_tune.measure.device import Budget, parse_budget, resolve_device
-from ckpt_tune.measure.loader import Target
 from ckpt_tune.measure.fake import as_fake_mode_error
 from ckpt_tune.measure.host import HostGuard
+from ckpt_tune.measure.loader import Target
 from ckpt_tune.measure.session import Settings, build_runner, fake_cpu_runner, load, user_errors
 from ckpt_tune.plan.file import FULLY_SHARDED, Plan
 from ckpt_tune.tune.candidates import find_blocks

@@ -27,7 +27,7 @@ from ckpt_tune.measure.op_costs import policy_ratios, recompute_shares
 from ckpt_tune.measure.runner import Measurement, StepRunner
 from ckpt_tune.measure.tensors import unique_bytes
 from ckpt_tune.measure.timing import Timing
-from ckpt_tune.plan.entry import POLICIES, Entry, entries_of, member_names, to_data
+from ckpt_tune.plan.entry import POLICIES, Entry, entries_of, to_data
 from ckpt_tune.plan.file import FULLY_SHARDED
 from ckpt_tune.plan.segment import available as segment_available
 from ckpt_tune.tune.candidates import (
@@ -1148,7 +1148,7 @@ class Searcher(ProbeSteps):
             )
         where = (
             f"the smallest peak reachable at batch {b} is {format_bytes(mp.peak)} "
-            f"(checkpointing {len(member_names(mp.names(t)))} of {len(self.units)} blocks)"
+            f"(checkpointing in {sum(1 for c in mp.choice if c)} of {len(self.units)} blocks)"
         )
         alone = self._states_over(budget, where)
         if alone is not None:
