@@ -336,9 +336,9 @@ def tool_searcher(spec: str, device: str = "cpu", fake_probes: bool = False):
     )
     runner.__enter__()
     if fake_probes:
-        from ckpt_tune.measure.session import fake_cpu_runner
+        from ckpt_tune.measure.session import fake_twin
 
-        fake = fake_cpu_runner(target, runner.settings)
+        fake = fake_twin(target, runner.settings)
         fake.__enter__()
         return Searcher(fake, segments=True, real=runner)
     return Searcher(runner, segments=True)

@@ -180,9 +180,16 @@ def card(name: str, vram_gib: float, repeats: int) -> dict:
     torch.cuda.set_per_process_memory_fraction(fraction)
     t0 = time.perf_counter()
     outcome = None
+    torch.cuda.reset_peak_memory_stats()
     try:
         outcome = search(ex.spec, vram=f"{vram_gib:g}GiB", settings=Settings(device="cuda"))
         out["search_under_cap"] = "ok"
+        # the safety contract (docs/design.md §3): no real step of the search past the budget plus its margin
+        out["search_max_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        limit = outcome.budget.usable_bytes + outcome.budget.margin_bytes
+        out["search_within_budget_plus_margin"] = out["search_max_allocated_bytes"] <= limit
+        out["search_real_steps"] = outcome.result.real_steps
+        out["search_largest_real_peak"] = outcome.result.largest_real_peak
     except Exception as e:  # the tool's own probes may not fit the card
         out["search_under_cap"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     _free()  # outside the except clause: the exception's frames held the failed probe's tensors
@@ -244,9 +251,13 @@ def render(acc: list[dict], cards: list[dict], skipped: list[str], vram_gib: flo
                    mib(r["reserved_bytes"]) if "reserved_bytes" in r else "-",
                    f"{100 * r['error']:+.2f}%" if "error" in r else "-"] for r in acc]),
         f"A {vram_gib:g} GiB card (set_per_process_memory_fraction):",
-        md_table(["model", "search under the cap", "batch", "checkpointed", "predicted MiB", "run under the cap: allocated / reserved MiB",
+        md_table(["model", "search under the cap", "search's max allocated MiB (within budget + margin)", "batch", "checkpointed",
+                  "predicted MiB", "run under the cap: allocated / reserved MiB",
                   "batch + 1", "overhead (measured)", "overhead (predicted)"],
-                 [[c["model"], c["search_under_cap"], c["batch"], len(c["checkpointed"]), mib(c["predicted_bytes"]),
+                 [[c["model"], c["search_under_cap"],
+                   f"{mib(c['search_max_allocated_bytes'])} ({'yes' if c['search_within_budget_plus_margin'] else 'NO'})"
+                   if "search_max_allocated_bytes" in c else "-",
+                   c["batch"], len(c["checkpointed"]), mib(c["predicted_bytes"]),
                    f"{mib(c['found']['allocated_bytes'])} / {mib(c['found']['reserved_bytes'])}" if isinstance(c["found"], dict) else c["found"],
                    (c["next"] if isinstance(c["next"], str) else f"runs ({mib(c['next']['allocated_bytes'])} MiB)")
                    + (", predicted not to fit" if c["next_predicted_fits"] is False else ""),

@@ -13,8 +13,8 @@ import textwrap
 import pytest
 
 from ckpt_tune import Settings, search
-from ckpt_tune.measure.runner import StepRunner
-from ckpt_tune.measure.session import build_runner, fake_cpu_runner, load
+from ckpt_tune.measure.runner import StepRunner, StepSettings
+from ckpt_tune.measure.session import build_runner, fake_twin, load, profile
 from ckpt_tune.tune.candidates import find_blocks
 from tests import harness
 from tests.test_examples import load_example
@@ -31,7 +31,7 @@ def test_a_fake_step_counts_the_generator_states_a_checkpoint_keeps() -> None:
     exactly what the plain step is off by (tens of bytes at most), not by 5,056 B per block."""
     t = load(GPT, Settings(device="cpu"))
     model, runner, step = build_runner(t, Settings(device="cpu"))
-    fake = fake_cpu_runner(t, step)
+    fake = fake_twin(t, step)
     blocks = find_blocks(model)
     with runner, fake:
         diffs = {}
@@ -118,3 +118,14 @@ def test_a_step_fake_tensors_cannot_run_is_searched_with_real_probes(tmp_path) -
     assert res.real_steps is None
     assert res.verified_peak <= 2 * 2**20
     assert any(n.startswith("every probe ran on the device: under fake tensors") for n in res.notes), res.notes
+
+
+def test_the_fake_twin_of_a_cuda_step_sizes_it_as_device_meta_does() -> None:
+    """On a CUDA device the probes are recorded by the same twin with CUDA's allocator rules (512 B
+    blocks): the bytes `--device meta` gives, with no GPU needed to build or run it."""
+    t = load(GPT, Settings(device="meta"))
+    twin = fake_twin(t, StepSettings(device="cuda"))
+    assert twin.settings.fake_target == "cuda"
+    with twin:
+        got = twin.measure(4).peak_bytes
+    assert got == profile(GPT, batch_size=4, settings=Settings(device="meta"), scaling=False).peak_bytes

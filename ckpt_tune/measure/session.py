@@ -174,16 +174,17 @@ def build_runner(
         return model, runner, step
     runner = StepRunner(model, batch_fn, loss_fn, step)
     if device == "cpu":  # a step this machine cannot hold is recorded under fake tensors (measure/host.py)
-        runner = HostGuard(runner, lambda: fake_cpu_runner(target, step))
+        runner = HostGuard(runner, lambda: fake_twin(target, step))
     return model, runner, step
 
 
-def fake_cpu_runner(target: loader.Target, step: StepSettings) -> StepRunner:
-    """A runner of the target's step under fake tensors with the CPU allocator's rules (measure/fake.py):
-    the same bytes as the real CPU step, nothing allocated."""
+def fake_twin(target: loader.Target, step: StepSettings) -> StepRunner:
+    """A runner of the target's step under fake tensors with the allocator rules of `step`'s device
+    (measure/fake.py: the CPU's, or CUDA's as `--device meta` sizes them): the same bytes as the real
+    step, nothing allocated."""
     from ckpt_tune.measure import fake_inputs
 
-    fake_step = replace(step, device="meta", fake_target="cpu")
+    fake_step = replace(step, device="meta", fake_target=torch.device(step.device).type)
 
     def loss_fn(m, batch):
         return user_code.compute_loss(target, m, batch)

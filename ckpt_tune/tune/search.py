@@ -23,9 +23,8 @@ from ckpt_tune import vocab
 from ckpt_tune.errors import NoFitError
 from ckpt_tune.measure.device import Budget, parse_budget, resolve_device
 from ckpt_tune.measure.fake import as_fake_mode_error
-from ckpt_tune.measure.host import HostGuard
 from ckpt_tune.measure.loader import Target
-from ckpt_tune.measure.session import Settings, build_runner, fake_cpu_runner, load, user_errors
+from ckpt_tune.measure.session import Settings, build_runner, fake_twin, load, user_errors
 from ckpt_tune.plan.file import FULLY_SHARDED, Plan
 from ckpt_tune.tune.candidates import find_blocks
 from ckpt_tune.tune.searcher import Searcher, SearchResult
@@ -65,8 +64,9 @@ def search(
     `loss_fn` are used as they are (its `spec` is the plan's `target`), or None with `settings.hf_config`.
     `segments`: also consider runs of consecutive blocks under one checkpoint (ckpt_tune/plan/segment.py).
     `candidates`: the kinds of choice the planner may use (vocab.CANDIDATES; None: all).
-    `fake_probes`: on `--device cpu`, record the probes under fake tensors with the CPU allocator's rules
-    and run only the step times and the verification for real (docs/design.md §4); False: every step real."""
+    `fake_probes`: on a CPU or CUDA device, record the probes under fake tensors with that allocator's rules
+    and run for real only steps within the budget: the user's step once, the step times and the
+    verification (docs/design.md §3); False: every step real."""
     t0 = time.perf_counter()
     t = load(target, settings)
     device = resolve_device(settings.device)
@@ -88,8 +88,8 @@ def search(
             )
 
         searcher, res, why = None, None, None
-        if fake_probes and device == "cpu" and world_size == 1 and isinstance(runner, HostGuard):
-            searcher, res, why = _fake_probed(lambda: searcher_over(stack.enter_context(fake_cpu_runner(t, step)), runner), budget.usable_bytes, fixed)
+        if fake_probes and device in ("cpu", "cuda") and world_size == 1:
+            searcher, res, why = _fake_probed(lambda: searcher_over(stack.enter_context(fake_twin(t, step)), runner), budget.usable_bytes, fixed)
         if res is None:
             searcher = searcher_over(runner)
             res = searcher.search(budget.usable_bytes, batch_size=fixed)
