@@ -168,8 +168,11 @@ def test_ctrl_c_exits_130_with_one_line(tmp_path):
         "    return torch.randn(b, 2)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # SIGINT as a terminal delivers it: a suite started in the background (`make test &`) ignores SIGINT,
+    # and a child inherits that, so Python would install no KeyboardInterrupt handler and Ctrl-C be lost
     p = subprocess.Popen([sys.executable, "-m", "ckpt_tune", "search", "slow.py:build", "--device", "cpu", "--vram", "1GiB",
-                          "--out", "plan.yaml"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                          "--out", "plan.yaml"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:  # the child never outlives the test, whatever fails (a search left running would hold a core)
         deadline = time.monotonic() + 120
         while not (tmp_path / "started").exists():
