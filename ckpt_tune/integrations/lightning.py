@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils.data import DataLoader, IterableDataset
 
 from ckpt_tune import vocab
@@ -184,9 +185,12 @@ class CheckpointTuner(pl.Callback):
             optimizer=self.optimizer or _optimizer(trainer),
         )
         with _off_cuda(pl_module):
+            # every step real: a fake copy of the model would be one more deep copy of the user's module
+            # in host memory while it is made (the module is built by copying it, not from code)
             outcome = search(
                 source.target(), self.vram, batch_size=self.batch_size, target_batch=self.target_batch,
                 margin=self.margin, settings=settings, segments=self.segments, candidates=self.candidates,
+                fake_probes=False,
             )
         if self.out is not None:
             log.info("ckpt-tune: plan written to %s", write_plan(outcome.plan, self.out))
@@ -278,13 +282,15 @@ class _Source:
     def batch(self, n: int) -> Any:
         """`n` samples collated as the train dataloader does: the dataset's first ones, repeated from the
         start when it holds fewer."""
-        if self.iterable:
-            self._draw(n)
-            picks = [self.samples[i % len(self.samples)] for i in range(n)]
-        else:
-            while len(self.samples) < min(n, self.size):
-                self.samples.append(self.dataset[len(self.samples)])
-            picks = [self.samples[i % self.size] for i in range(n)]
+        # the samples are kept real whatever mode the batch is made under: a search records its probes
+        # under fake tensors, and a fake sample kept here would reach its real steps
+        with unset_fake_temporarily():
+            if self.iterable:
+                self._draw(n)
+            else:
+                while len(self.samples) < min(n, self.size):
+                    self.samples.append(self.dataset[len(self.samples)])
+        picks = [self.samples[i % (len(self.samples) if self.iterable else self.size)] for i in range(n)]
         return self.collate(picks)
 
     def _draw(self, n: int) -> None:

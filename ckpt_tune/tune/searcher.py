@@ -299,9 +299,9 @@ class Searcher(ProbeSteps):
         marked = (*self.units, *self.groups, *self._between)
         with _inputs_changed(self.runner.model, marked) as changed:
             m = self.runner.measure(batch_size, units=marked)
-        # the user's step ran as it is: whatever fails from here on is ckpt-tune's (under fake tensors, once
-        # the real step has run too: `_real_plain`)
-        self.plain_ran = self.real is self.runner
+        # the user's step ran as it is: whatever fails from here on is ckpt-tune's (under fake tensors, the
+        # real step ran before: `_first_steps`)
+        self.plain_ran = self.plain_ran or self.real is self.runner
         self.runs += 1
         self._refused |= set(changed)
         if changed:
@@ -911,14 +911,20 @@ class Searcher(ProbeSteps):
             res.real_steps, res.timed_steps = len(self.real_peaks), self.real_timed
             res.largest_real_peak = max(self.real_peaks, default=None)
 
-    def _real_plain(self, batch_size: int, budget: int) -> None:
+    def _first_steps(self, batch_size: int) -> None:
+        """The ordering step; with probes under fake tensors, the user's step run for real first
+        (`_real_plain`), so that whatever the user's code keeps from its first call (a cached batch, a
+        lazily built buffer) is made of real tensors, as in training."""
+        if not self.plain_ran and self.real is not self.runner:
+            self._real_plain(batch_size)
+        self.order_units(batch_size)
+
+    def _real_plain(self, batch_size: int) -> None:
         """Probes under fake tensors: the user's step run for real once, at the first small batch, as it
-        is where the recorded plain step fits the budget (else every block checkpointed), so that a
-        failure of the real step is the user's and what fails later is ckpt-tune's."""
-        plain = self._order_cut[1].peak_above_static + self._order_cut[2] if self._order_cut else 0
-        checkpoint = [] if plain <= budget * (1 - REAL_ROOM) else list(self.units)
-        self._say(f"running the step for real at batch {batch_size}" + (" with every block checkpointed" if checkpoint else ""))
-        m = self.real.measure(batch_size, checkpoint=checkpoint)
+        is (the first step of any search), so that a failure of the real step is the user's and what
+        fails later is ckpt-tune's."""
+        self._say(f"running the step for real at batch {batch_size}")
+        m = self.real.measure(batch_size)
         self.real_peaks.append(m.peak_bytes)
         self.runs += 1
         self.plain_ran = True
@@ -943,20 +949,18 @@ class Searcher(ProbeSteps):
         self._settled = False
         self.budget = budget
         try:
-            self.order_units(self.b1)
+            self._first_steps(self.b1)
         except Exception as e:  # raised by the user's model (session.user_errors words it for the user)
             if self.b1 != 1 or ONE_SAMPLE_FAILS not in str(e):
                 raise
             # BatchNorm over a 1x1 feature map cannot train on one sample: the smallest batch is 2
             self.notes.append("batch 1 cannot train this model (BatchNorm needs more than one value per channel): batches start at 2")
             self.b1 = 2
-            self.order_units(self.b1)
+            self._first_steps(self.b1)
         b1, b2 = self.b1, self.b2
         over = self._states_over(budget)  # the ordering step has built every state: nothing to probe
         if over is not None:
             raise over
-        if not self.plain_ran:
-            self._real_plain(b1, budget)
         self.prefetch((b1, b2) if batch_size is None else (batch_size, b1, b2), timing=(batch_size or b1,))
         if batch_size is None:
             guess = self.largest_fitting(budget, b1, b2)
