@@ -122,13 +122,9 @@ class HostGuard:
         attribute: bool = False,
         accum_steps: int = 1,
     ) -> Measurement:
-        if not self._peaks and not checkpoint and accum_steps == 1 and batch_size <= 2:
-            # the first step is the one `fits` runs to bound the others: run once, kept as the bound
-            m = self.real.measure(batch_size, checkpoint, units, attribute, accum_steps)
-            release_freed()
-            self._peaks[batch_size] = (m.peak_bytes, m.static_bytes)
-            return m
-        if self.fits(batch_size, accum_steps):
+        # a first plain step at batch <= 2 is the one `fits` would run to bound the others: run once, as the bound
+        first = not self._peaks and not checkpoint and accum_steps == 1 and batch_size <= 2
+        if first or self.fits(batch_size, accum_steps):
             m = self.real.measure(batch_size, checkpoint, units, attribute, accum_steps)
             release_freed()
             if not checkpoint and accum_steps == 1:

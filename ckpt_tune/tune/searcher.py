@@ -541,16 +541,9 @@ class Searcher(ProbeSteps):
                 t = self.fitted(b, self.b1, self.b2)
                 return t.measured.get(none, predict(t, none)) <= (self.budget or 0) * (1 - REAL_ROOM)
 
-            at, checkpoint = self.b1, []
-            if plain_fits(at):
-                hi = 2 * at
-                while hi <= MAX_BATCH and plain_fits(hi):
-                    at, hi = hi, 2 * hi
-                while hi - at > 1:
-                    mid = (at + hi) // 2
-                    at, hi = (mid, hi) if plain_fits(mid) else (at, mid)
-            else:
-                checkpoint = list(self.units)
+            at = _largest(plain_fits, self.b1)
+            checkpoint = [] if at else list(self.units)
+            at = at or self.b1
             self._say(f"timing the step at batch {at} on the device" + (", every block checkpointed" if checkpoint else ""))
             t = self.real.time_step(at, checkpoint=checkpoint, repeats=3)
             # checkpointed, the blocks' forwards ran twice: the plain step's time runs them once
@@ -738,19 +731,7 @@ class Searcher(ProbeSteps):
         """Largest batch whose min-peak plan fits, on terms fitted from b1 and b2 (0 if none)."""
         costs = self.costs(b1)
 
-        def fits(b: int) -> bool:
-            return min_peak(self.fitted(b, b1, b2), costs).peak <= budget
-
-        if not fits(b1):
-            return 0
-        lo, hi = b1, 2 * b1
-        while hi <= MAX_BATCH and fits(hi):
-            lo, hi = hi, hi * 2
-        hi = min(hi, MAX_BATCH + 1)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return lo
+        return _largest(lambda b: min_peak(self.fitted(b, b1, b2), costs).peak <= budget, b1)
 
     def _min_peak_at(self, b: int, b1: int, budget: int) -> int:
         """Smallest predicted peak at b, on terms probed at b itself (and FLOPs counted there, should b
@@ -1163,6 +1144,21 @@ class Searcher(ProbeSteps):
             f"{format_bytes(states)}, the step's activations and temporaries the rest",
             "raise --vram, use --precision bf16-mixed, a smaller --batch-size, or see `ckpt-tune diagnose`",
         )
+
+
+def _largest(fits: Callable[[int], bool], start: int) -> int:
+    """The largest batch from `start` up to MAX_BATCH for which `fits` holds, by doubling then bisection
+    (`fits` taken as monotone); 0 when it does not hold at `start`."""
+    if not fits(start):
+        return 0
+    lo, hi = start, 2 * start
+    while hi <= MAX_BATCH and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, MAX_BATCH + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def _first_line(error: BaseException) -> str:
