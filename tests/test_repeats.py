@@ -136,6 +136,35 @@ def test_a_chain_of_different_blocks_is_recorded_at_full_depth():
         assert find_repeat(runner.model, s.units) is None
 
 
+def test_full_depth_probes_borrowing_the_optimizer_step_equal_probes_that_record_it(monkeypatch):
+    """At full depth only the no-checkpointing probe records the optimizer step; the others take its
+    moments (memory_model.with_step_of): the terms are the same to the byte as when each records it."""
+
+    def build():
+        return Decoder(8, widths=(128, 128, 128, 64, 128, 128, 128, 128))
+
+    steps: list[bool] = []
+    record = Searcher._record_full
+
+    def counted(self, *args):
+        steps.append(args[-1] if len(args) == 7 else True)
+        return record(self, *args)
+
+    monkeypatch.setattr(Searcher, "_record_full", counted)
+    with _runner("cpu", build) as runner:
+        s = Searcher(runner)
+        s.order_units(1)
+        assert s.repeat is None
+        borrowed = s.terms(3)
+        assert steps.count(True) == 1 and steps.count(False) == len(steps) - 1 > 0
+        s._terms.clear()
+        monkeypatch.setattr(Searcher, "_record_full", lambda self, *args: record(self, *args[:6], True))
+        recorded = s.terms(3)
+    assert (borrowed.static, borrowed.base, borrowed.fixed) == (recorded.static, recorded.base, recorded.fixed)
+    for i, (b, r) in enumerate(zip(borrowed.blocks, recorded.blocks, strict=True)):
+        assert (b.d, b.F, b.B) == (r.d, r.F, r.B), f"block {i}"
+
+
 @pytest.mark.heavy  # 16 s: two full searches
 def test_blocks_that_look_identical_but_record_differently_fall_back(monkeypatch):
     with _runner("cuda") as runner:

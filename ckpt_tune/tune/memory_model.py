@@ -294,6 +294,13 @@ class RunCut:
     after: int = 0  # max live from the end of backward through the optimizer step
 
 
+def with_step_of(cut: RunCut, after: int) -> RunCut:
+    """A cut recorded without its optimizer step, given the step's moments (`after`) of the
+    no-checkpointing run at its batch: after backward every configuration holds the same tensors
+    (the gradients, the batch, the loss), so the step's live bytes are the same (docs/design.md §4)."""
+    return replace(cut, after=after, fixed=max(cut.before, after), peak_above_static=max(cut.peak_above_static, after))
+
+
 def cut_run(live_at, max_between, markers: dict[str, list[int]], units: tuple[str, ...], choice, pick: int = 0) -> RunCut:
     """Cut one run's live curve at the blocks' markers. `live_at(t)`, `max_between(t0, t1)` read the curve.
 

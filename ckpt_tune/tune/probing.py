@@ -20,7 +20,6 @@ import contextlib
 import os
 import select
 import time
-from dataclasses import replace
 
 import torch
 
@@ -35,6 +34,7 @@ from ckpt_tune.tune.memory_model import (
     plan_entries,
     probe_configs,
     segments_of,
+    with_step_of,
 )
 from ckpt_tune.tune.planner import solve
 from ckpt_tune.tune.repeats import Repeat, check_against, extend, extended_fixed, find_repeat, shortened
@@ -170,8 +170,7 @@ class ProbeSteps:
         the no-checkpointing probe at its batch (kept first)."""
         self._timed("short", seconds)
         if any(key[1]):
-            after = self._short_cuts[(key[0], (0,) * len(key[1]))].after
-            cut = replace(cut, after=after, fixed=max(cut.before, after), peak_above_static=max(cut.peak_above_static, after))
+            cut = with_step_of(cut, self._short_cuts[(key[0], (0,) * len(key[1]))].after)
         self._short_cuts[key] = cut
 
     def _short_configs(self) -> dict[str, tuple[int, ...]]:

@@ -59,6 +59,7 @@ from ckpt_tune.tune.memory_model import (
     probe_configs,
     segment_terms,
     segments_of,
+    with_step_of,
 )
 from ckpt_tune.tune.planner import Solution, min_peak, solve
 from ckpt_tune.tune.probing import OptionFailed, ProbeSteps
@@ -621,8 +622,11 @@ class Searcher(ProbeSteps):
         reuse = self._order_cut is not None and self._kind == 1 and self._order_cut[0] == batch_size
         todo = [(j, label, choice) for j, (label, choice) in enumerate(configs.items()) if not (reuse and not any(choice))]
         workers = self._workers(len(todo))
+        # only the no-checkpointing probe records the optimizer step; the others take its moments
+        # (memory_model.with_step_of), as the shortened probes do
+        borrow = self._kind == 1 and self._plain
         try:
-            got = fork_map(lambda t: self._record_full(batch_size, *t, n, workers), todo, workers)
+            got = fork_map(lambda t: self._record_full(batch_size, *t, n, workers, not (borrow and any(t[2]))), todo, workers)
         except torch.OutOfMemoryError:
             if batch_size in (self.b1, self.b2):
                 raise
@@ -635,13 +639,19 @@ class Searcher(ProbeSteps):
             self._timed("full", seconds)
             cuts.append(cut)
             static = static_bytes
+        if borrow:
+            after = next(c.after for c in cuts if not any(c.choice))
+            cuts = [with_step_of(c, after) if any(c.choice) else c for c in cuts]
         return combine(cuts, self.units, static, batch_size, self.options)
 
-    def _record_full(self, batch_size: int, j: int, label: str, choice: tuple[int, ...], n: int, workers: int) -> tuple[RunCut, int, float]:
-        """(cut, static bytes, seconds) of probe j of n at full depth; it changes nothing of the
-        searcher's, so a forked process can run it."""
+    def _record_full(
+        self, batch_size: int, j: int, label: str, choice: tuple[int, ...], n: int, workers: int, optimizer_step: bool = True
+    ) -> tuple[RunCut, int, float]:
+        """(cut, static bytes, seconds) of probe j of n at full depth, with or without the optimizer
+        step; it changes nothing of the searcher's, so a forked process can run it."""
         with self._probe_step(f"probing batch {batch_size} ({label} checkpointed)", j + 1, n, "full", workers) as seconds, self._option_probe(label):
-            m = self.runner.measure(batch_size, checkpoint=self.names(choice), units=self.units, accum_steps=self._kind)
+            kw = {} if optimizer_step else {"optimizer_step": False}  # HostGuard's measure has no such argument
+            m = self.runner.measure(batch_size, checkpoint=self.names(choice), units=self.units, accum_steps=self._kind, **kw)
         tl = m.timeline
         return cut_run(tl.live_at, tl.max_between, tl.markers, self.units, choice, pick=-1), m.static_bytes, seconds[0]
 
