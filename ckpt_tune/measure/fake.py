@@ -40,7 +40,9 @@ from torch.utils._pytree import tree_flatten
 
 from ckpt_tune.errors import CkptTuneError
 from ckpt_tune.measure import timeline
+from ckpt_tune.measure.fake_memo import FreshMemo
 from ckpt_tune.measure.fake_ops import (
+    META_GAPS,
     RECORD_FUNCTION_ENTER,
     SHORTCUTS,
     MetaGaps,
@@ -65,6 +67,8 @@ FAKE_HINT = "use --device cpu on a smaller config"
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 
 _MODE: FakeTensorMode | None = None
+# aten ops' outputs by their inputs' metadata (fake_memo.py); None: every op dispatched to the fake mode
+MEMO: FreshMemo | None = FreshMemo()
 
 
 class FakeModeError(CkptTuneError):
@@ -182,7 +186,10 @@ class _Dispatch(TorchDispatchMode):
         if cal is None and func is aten.native_batch_norm.default:
             cal = batch_norm_sizes(args)
         try:
-            out = func(*args, **kwargs)
+            if MEMO is not None and func not in META_GAPS:
+                out = MEMO.call(func, args, kwargs, lambda: func(*args, **kwargs))
+            else:
+                out = func(*args, **kwargs)
         except _DATA_DEPENDENT as e:
             raise _fake_mode_error(e) from e
         sizes = cal[0] if cal is not None else ()
