@@ -122,6 +122,17 @@ def test_fake_qlora_step_equals_the_real_one(llama_config):
     assert abs(fake - real.peak_bytes) <= README_TOLERANCE * real.peak_bytes, (fake, real.peak_bytes)
 
 
+def test_a_build_under_fake_tensors_first_leaves_bitsandbytes_able_to_quantize_for_real(monkeypatch):
+    """bitsandbytes keeps nested quantization's code book on the device it first quantized on: a fake
+    (meta) build first in a process must not leave it on meta for the real builds after it."""
+    import bitsandbytes.functional as bnb_f
+
+    monkeypatch.setattr(bnb_f, "name2qmap", {})  # as in a fresh process
+    fake_inputs.build_fake_model(session.load(f"{EXAMPLE}:build", session.Settings(device="cpu")))
+    assert all(not code.is_meta for code in bnb_f.name2qmap.values())
+    _example().build()  # quantizes on the CPU
+
+
 def test_a_users_own_qlora_model_profiles_exactly_on_cpu_and_records_under_meta():
     mod = _example()
     mod.build()

@@ -156,7 +156,8 @@ def test_full_depth_probes_borrowing_the_optimizer_step_equal_probes_that_record
         s.order_units(1)
         assert s.repeat is None
         borrowed = s.terms(3)
-        assert steps.count(True) == 1 and steps.count(False) == len(steps) - 1 > 0
+        assert steps.count(True) == 1  # the no-checkpointing probe
+        assert steps.count(False) == len(steps) - 1 > 0
         s._terms.clear()
         monkeypatch.setattr(Searcher, "_record_full", lambda self, *args: record(self, *args[:6], True))
         recorded = s.terms(3)

@@ -15,10 +15,10 @@ def test_search_survives_plain_steps_that_do_not_fit_the_device(monkeypatch):
     fx = ZOO["mlp_blocks"]
     real_measure, real_time = StepRunner.measure, StepRunner.time_step
 
-    def measure(self, batch_size, checkpoint=(), units=(), attribute=False, accum_steps=1):
+    def measure(self, batch_size, checkpoint=(), units=(), attribute=False, accum_steps=1, optimizer_step=True):
         if batch_size > 8 and not checkpoint:
             raise torch.OutOfMemoryError("simulated: the plain step exceeds the device")
-        return real_measure(self, batch_size, checkpoint, units, attribute, accum_steps)
+        return real_measure(self, batch_size, checkpoint, units, attribute, accum_steps, optimizer_step)
 
     def time_step(self, batch_size, checkpoint=(), repeats=3):
         if batch_size > 8 and not checkpoint:

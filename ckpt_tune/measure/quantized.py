@@ -79,10 +79,33 @@ def meta_quantization() -> Iterator[None]:
         cls._quantize = quantize
         patched.append((cls, real))
     try:
-        yield
+        with _no_meta_code_books():
+            yield
     finally:
         for cls, real in patched:
             cls._quantize = real
+
+
+@contextlib.contextmanager
+def _no_meta_code_books() -> Iterator[None]:
+    """bitsandbytes keeps the code book of nested quantization (`functional.name2qmap`) on the device of
+    the first tensor it quantized: made on the meta device, a later real quantization in this process
+    would fail on it ("Cannot copy out of meta tensor"). Code books made here on meta are dropped."""
+    if not loaded():
+        yield
+        return
+    import bitsandbytes.functional as bnb_f
+
+    before = dict(bnb_f.name2qmap)
+    try:
+        yield
+    finally:
+        for name, code in list(bnb_f.name2qmap.items()):
+            if isinstance(code, torch.Tensor) and code.is_meta:
+                if name in before and not before[name].is_meta:
+                    bnb_f.name2qmap[name] = before[name]
+                else:
+                    del bnb_f.name2qmap[name]
 
 
 def quantize_on_meta(module: nn.Module) -> None:
@@ -92,9 +115,10 @@ def quantize_on_meta(module: nn.Module) -> None:
         return
     import bitsandbytes as bnb
 
-    for p in module.parameters():
-        if isinstance(p, bnb.nn.Params4bit) and not p.bnb_quantized and p.data.is_meta:
-            p._quantize(torch.device("meta"))
+    with _no_meta_code_books():
+        for p in module.parameters():
+            if isinstance(p, bnb.nn.Params4bit) and not p.bnb_quantized and p.data.is_meta:
+                p._quantize(torch.device("meta"))
 
 
 def weight_states(model: nn.Module) -> dict[int, tuple[nn.Module, dict[str, Any]]]:
