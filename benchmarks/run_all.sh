@@ -20,6 +20,7 @@ fi
 run() { echo "== $*" >&2; "$PY" "$@"; }
 run benchmarks/accuracy.py
 run benchmarks/fake_accuracy.py
+run benchmarks/fake_memo.py
 run benchmarks/plan_quality.py
 # a partial run of the peers (HF GPT-2 only) made before the full run included them: superseded
 rm -f benchmarks/results/plan_quality_peers.json benchmarks/results/plan_quality_peers.md
