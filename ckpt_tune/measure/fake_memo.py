@@ -9,7 +9,8 @@ keyed by what it reads, and builds the outputs of a repeated call without dispat
 mode's cache builds them: a meta tensor of the remembered layout (set on the argument's storage for a
 view) wrapped as a `FakeTensor` of the same mode, or the argument itself.
 
-Calls it does not answer go to the fake mode as before: an argument that is a real tensor, a constant
+Calls it does not answer go to the fake mode as before: a mode with symbolic sizes (a shape
+environment, as `torch.compile` traces with), an argument that is a real tensor, a constant
 fake tensor (the fake mode computes on its value), anything but plain Python values, dtypes, devices
 and fake tensors; ops the fake mode itself does not cache (data-dependent or dynamic output shapes, ops
 that change an argument's metadata); outputs that are neither a new storage of exactly their size, a
@@ -110,7 +111,7 @@ class FreshMemo:
             if type(a) is FakeTensor:
                 mode = a.fake_mode
                 break
-        if mode is None or self._skipped(func):
+        if mode is None or mode.shape_env is not None or self._skipped(func):  # symbolic sizes: the fake mode's own cache
             return run()
         try:
             key = (func, id(mode), _key(args), _key(tuple(sorted(kwargs.items()))) if kwargs else ())
