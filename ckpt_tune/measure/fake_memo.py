@@ -126,9 +126,13 @@ class FreshMemo:
                 self.entries.clear()
             many = isinstance(out, (tuple, list))
             outs = [_output(t, args, kwargs, nested) for t in (out if many else (out,))]
-            # an op that changed an argument's layout or storage (resize_, set_, out= resized) is not replayed
+            # an op that changed an argument's layout or storage (resize_, set_, out= resized) is not replayed,
+            # nor one whose new outputs share a storage (rebuilt, each would have its own)
             changed = before != [_state(a) for a in nested]
-            self.entries[key] = _BYPASS if changed or any(o is None for o in outs) else (type(out) if many else None, outs)
+            fresh = [t.untyped_storage()._cdata for t, o in zip(out if many else (out,), outs) if o is not None and o[0] is None]
+            shared = len(set(fresh)) < len(fresh)
+            valid = not changed and not shared and all(o is not None for o in outs)
+            self.entries[key] = (type(out) if many else None, outs) if valid else _BYPASS
             return out
         if entry is _BYPASS:
             return run()
