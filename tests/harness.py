@@ -102,6 +102,8 @@ def _wrap_policy(mod, policy: str) -> None:
     make = policy_context(policy)
 
     def fwd(*args, _inner=inner, **kwargs):
+        # containers copied at the call, as for a whole module: a list the caller grows later (DenseNet)
+        args, kwargs = torch.utils._pytree.tree_map(lambda x: x, (args, kwargs))
         return cp.checkpoint(_inner, *args, use_reentrant=False, context_fn=make, **kwargs)
 
     mod.forward = fwd
