@@ -138,29 +138,34 @@ def test_a_chain_of_different_blocks_is_recorded_at_full_depth():
 
 def test_full_depth_probes_borrowing_the_optimizer_step_equal_probes_that_record_it(monkeypatch):
     """At full depth only the no-checkpointing probe records the optimizer step; the others take its
-    moments (memory_model.with_step_of): the terms are the same to the byte as when each records it."""
+    moments (memory_model.with_step_of): the terms are the same to the byte as when each records it
+    (a runner of a StepRunner subclass, whose steps the search neither shortens nor shares out, records
+    every probe whole)."""
 
     def build():
         return Decoder(8, widths=(128, 128, 128, 64, 128, 128, 128, 128))
 
+    class Whole(StepRunner):
+        pass
+
     steps: list[bool] = []
-    record = Searcher._record_full
+    measure = StepRunner.measure
 
-    def counted(self, *args):
-        steps.append(args[-1] if len(args) == 7 else True)
-        return record(self, *args)
+    def counted(self, *args, optimizer_step=True, **kwargs):
+        steps.append(optimizer_step)
+        return measure(self, *args, optimizer_step=optimizer_step, **kwargs)
 
-    monkeypatch.setattr(Searcher, "_record_full", counted)
-    with _runner("cpu", build) as runner:
-        s = Searcher(runner)
-        s.order_units(1)
-        assert s.repeat is None
-        borrowed = s.terms(3)
-        assert steps.count(True) == 1  # the no-checkpointing probe
-        assert steps.count(False) == len(steps) - 1 > 0
-        s._terms.clear()
-        monkeypatch.setattr(Searcher, "_record_full", lambda self, *args: record(self, *args[:6], True))
-        recorded = s.terms(3)
+    monkeypatch.setattr(StepRunner, "measure", counted)
+    terms = {}
+    for cls in (StepRunner, Whole):
+        steps.clear()
+        with cls(build(), make_batch, loss_fn, StepSettings(device="cpu", precision="fp32")) as runner:
+            s = Searcher(runner)
+            s.order_units(1)
+            assert s.repeat is None
+            terms[cls] = s.terms(3)
+        assert steps.count(False) == (len(steps) - 2 if cls is StepRunner else 0), steps  # ordering and none probe
+    borrowed, recorded = terms[StepRunner], terms[Whole]
     assert (borrowed.static, borrowed.base, borrowed.fixed) == (recorded.static, recorded.base, recorded.fixed)
     for i, (b, r) in enumerate(zip(borrowed.blocks, recorded.blocks, strict=True)):
         assert (b.d, b.F, b.B) == (r.d, r.F, r.B), f"block {i}"
