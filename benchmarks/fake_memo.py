@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import md_table, write_results  # noqa: E402
 from ckpt_tune.measure import fake  # noqa: E402
-from ckpt_tune.measure.fake_memo import FreshMemo  # noqa: E402
+from ckpt_tune.measure.fake_memo import OpMemo  # noqa: E402
 from ckpt_tune.measure.runner import StepSettings  # noqa: E402
 from ckpt_tune.measure.session import Settings, fake_twin, load  # noqa: E402
 from ckpt_tune.tune.candidates import find_blocks  # noqa: E402
@@ -40,7 +40,7 @@ def run(name: str, batch: int, repeats: int) -> dict:
     runner = fake_twin(load(f"examples/{name}.py:build", Settings(device="cpu")), StepSettings(device="cpu"))
     units = find_blocks(runner.model)
     checkpoint = units[::2]
-    memo = FreshMemo()
+    memo = OpMemo()
     seconds: dict[str, list[float]] = {"with": [], "without": []}
     timelines = {}
     for k in range(repeats + 1):
@@ -51,7 +51,7 @@ def run(name: str, batch: int, repeats: int) -> dict:
             if k:  # the first of each is the warm-up
                 seconds[label].append(time.perf_counter() - t0)
             timelines[label] = _timeline(rec)
-    fake.MEMO = FreshMemo()
+    fake.MEMO = OpMemo()
     with_s, without_s = statistics.median(seconds["with"]), statistics.median(seconds["without"])
     return {
         "example": name, "batch": batch, "checkpointed": len(checkpoint), "blocks": len(units),

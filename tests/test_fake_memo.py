@@ -9,7 +9,7 @@ import torch
 
 from ckpt_tune.measure import fake
 from ckpt_tune.measure.fake import FakeRecorder
-from ckpt_tune.measure.fake_memo import FreshMemo
+from ckpt_tune.measure.fake_memo import OpMemo
 from ckpt_tune.measure.runner import StepSettings
 from ckpt_tune.measure.session import Settings, fake_twin, load
 from ckpt_tune.tune.candidates import find_blocks
@@ -37,7 +37,7 @@ def test_ops_rebuilt_from_the_memo_record_what_dispatched_ops_record(monkeypatch
     monkeypatch.setattr(fake, "MEMO", None)
     with fake.running():
         expected = _by_hand()
-    memo = FreshMemo()
+    memo = OpMemo()
     monkeypatch.setattr(fake, "MEMO", memo)
     with fake.running():
         first, again = _by_hand(), _by_hand()
@@ -47,7 +47,7 @@ def test_ops_rebuilt_from_the_memo_record_what_dispatched_ops_record(monkeypatch
 
 
 def test_a_view_from_the_memo_shares_its_arguments_storage_and_an_in_place_op_returns_it():
-    memo = FreshMemo()
+    memo = OpMemo()
     aten = torch.ops.aten
     with fake.running():
         x = torch.empty(4, 6)
@@ -92,7 +92,7 @@ def test_steps_recorded_with_the_memo_equal_steps_dispatched_to_the_fake_mode(mo
     """Every event and marker of four steps (plain and checkpointed, two batches), to the byte."""
     monkeypatch.setattr(fake, "MEMO", None)
     expected = _step_timelines(spec)
-    memo = FreshMemo()
+    memo = OpMemo()
     monkeypatch.setattr(fake, "MEMO", memo)
     assert _step_timelines(spec) == expected
     assert memo.hits > 1000

@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten
 
 from ckpt_tune.errors import CkptTuneError
 from ckpt_tune.measure import timeline
-from ckpt_tune.measure.fake_memo import FreshMemo
+from ckpt_tune.measure.fake_memo import OpMemo
 from ckpt_tune.measure.fake_ops import (
     META_GAPS,
     RECORD_FUNCTION_ENTER,
@@ -68,7 +68,7 @@ _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, Un
 
 _MODE: FakeTensorMode | None = None
 # aten ops' outputs by their inputs' metadata (fake_memo.py); None: every op dispatched to the fake mode
-MEMO: FreshMemo | None = FreshMemo()
+MEMO: OpMemo | None = OpMemo()
 
 
 class FakeModeError(CkptTuneError):

@@ -4,7 +4,7 @@ A fake step dispatches every op to `FakeTensorMode`, whose own cache spends most
 its key (the metadata of every argument, checked for symbolic sizes, sparse layouts and constants). The
 outputs of an aten op on fake tensors are a function of the op, its arguments' metadata and its other
 arguments: their shapes, strides, dtypes, and which of them are new storages, views into an argument's
-storage, or the argument itself (an in-place op). `FreshMemo` keeps that function's values seen so far,
+storage, or the argument itself (an in-place op). `OpMemo` keeps that function's values seen so far,
 keyed by what it reads, and builds the outputs of a repeated call without dispatching it, as the fake
 mode's cache builds them: a meta tensor of the remembered layout (set on the argument's storage for a
 view) wrapped as a `FakeTensor` of the same mode, or the argument itself.
@@ -14,7 +14,7 @@ environment, as `torch.compile` traces with), an argument that is a real tensor,
 fake tensor (the fake mode computes on its value), anything but plain Python values, dtypes, devices
 and fake tensors; ops the fake mode itself does not cache (data-dependent or dynamic output shapes, ops
 that change an argument's metadata); outputs that are neither a new storage of exactly their size, a
-view into one argument's storage, nor an argument left as it was. `tests/test_fake.py` checks recorded
+view into one argument's storage, nor an argument left as it was. `tests/test_fake_memo.py` checks recorded
 timelines equal with and without it.
 """
 
@@ -71,13 +71,12 @@ def _output(t: Any, args: tuple, kwargs: dict, nested: list) -> tuple | None:
         if t is a:  # an in-place or out= op's output: that argument
             return ((_SAME, where), None, None, None, None, None)
     st = t.untyped_storage()
-    if sum(a.untyped_storage()._cdata == st._cdata for a in nested) > 1:
+    same = [a for a in nested if a.untyped_storage()._cdata == st._cdata]
+    if len(same) > 1:
         return None
-    shared = [where for where, a in _top(args, kwargs) if type(a) is FakeTensor and a.untyped_storage()._cdata == st._cdata]
-    if shared:
-        return (shared[0], t.shape, t.stride(), t.storage_offset(), t.dtype, t.fake_device)
-    if any(a.untyped_storage()._cdata == st._cdata for a in nested):  # a view of a tensor inside a list
-        return None
+    if same:  # a view: of an argument itself, not of a tensor inside a list
+        where = next((w for w, a in _top(args, kwargs) if a is same[0]), None)
+        return None if where is None else (where, t.shape, t.stride(), t.storage_offset(), t.dtype, t.fake_device)
     with torch._C._DisableTorchDispatch():
         minimal = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta").untyped_storage().nbytes()
     if t.storage_offset() != 0 or st.nbytes() != minimal:
@@ -89,7 +88,7 @@ def _arg(args: tuple, kwargs: dict, where: int | str) -> Any:
     return kwargs[where] if type(where) is str else args[where]
 
 
-class FreshMemo:
+class OpMemo:
     """`call(func, args, kwargs, run)`: the outputs of an aten op on fake tensors (see the module
     docstring), rebuilt from a remembered entry, or `run()`'s, remembered for the next call with the
     same key."""

@@ -121,17 +121,19 @@ class HostGuard:
         units: Sequence[str] = (),
         attribute: bool = False,
         accum_steps: int = 1,
+        optimizer_step: bool = True,
     ) -> Measurement:
         # a first plain step at batch <= 2 is the one `fits` would run to bound the others: run once, as the bound
-        first = not self._peaks and not checkpoint and accum_steps == 1 and batch_size <= 2
+        whole = not checkpoint and accum_steps == 1 and optimizer_step
+        first = not self._peaks and whole and batch_size <= 2
         if first or self.fits(batch_size, accum_steps):
-            m = self.real.measure(batch_size, checkpoint, units, attribute, accum_steps)
+            m = self.real.measure(batch_size, checkpoint, units, attribute, accum_steps, optimizer_step)
             release_freed()
-            if not checkpoint and accum_steps == 1:
+            if whole:
                 self._peaks[batch_size] = (m.peak_bytes, m.static_bytes)
             return m
         self._say_fake(batch_size, accum_steps)
-        return self._fake_runner().measure(batch_size, checkpoint, units, attribute, accum_steps)
+        return self._fake_runner().measure(batch_size, checkpoint, units, attribute, accum_steps, optimizer_step)
 
     def time_step(self, batch_size: int, checkpoint: Sequence = (), repeats: int = 3) -> Timing:
         if self.fits(batch_size):

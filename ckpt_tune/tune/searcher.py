@@ -650,8 +650,9 @@ class Searcher(ProbeSteps):
         """(cut, static bytes, seconds) of probe j of n at full depth, with or without the optimizer
         step; it changes nothing of the searcher's, so a forked process can run it."""
         with self._probe_step(f"probing batch {batch_size} ({label} checkpointed)", j + 1, n, "full", workers) as seconds, self._option_probe(label):
-            kw = {} if optimizer_step else {"optimizer_step": False}  # HostGuard's measure has no such argument
-            m = self.runner.measure(batch_size, checkpoint=self.names(choice), units=self.units, accum_steps=self._kind, **kw)
+            m = self.runner.measure(
+                batch_size, checkpoint=self.names(choice), units=self.units, accum_steps=self._kind, optimizer_step=optimizer_step
+            )
         tl = m.timeline
         return cut_run(tl.live_at, tl.max_between, tl.markers, self.units, choice, pick=-1), m.static_bytes, seconds[0]
 
