@@ -51,7 +51,7 @@ def test_a_later_search_that_chooses_other_op_policies_forgets_what_was_measured
     """Which op policies are worth offering is timed, so the target batch's second search may offer
     others than the first: terms and costs numbered by the old options are not reused (they once
     ended in an IndexError in the frontier's solve)."""
-    import ckpt_tune.tune.searcher as searcher_module
+    import ckpt_tune.tune.step_costs as step_costs_module
 
     fx = ZOO["vit_dropout"]
     # every policy priced at half a block's recompute the first time it is timed (worth offering), then
@@ -62,7 +62,7 @@ def test_a_later_search_that_chooses_other_op_policies_forgets_what_was_measured
         calls.append(batch_size)
         return {(u, p): 0.5 if len(calls) == 1 else 1.0 for u in units for p in policies}, {}
 
-    monkeypatch.setattr(searcher_module, "policy_ratios", ratios)
+    monkeypatch.setattr(step_costs_module, "policy_ratios", ratios)
     budget = measured_peak(fx.build, fx.make_batch, fx.loss_fn, 24)
     with StepRunner(fx.build(), fx.make_batch, fx.loss_fn) as runner:
         s = Searcher(runner, segments=False, candidates=frozenset({"blocks", "ops"}))

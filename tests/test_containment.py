@@ -154,12 +154,12 @@ def test_a_search_says_layerdrop_was_off_while_it_measured() -> None:
 
 
 def test_a_refinement_that_raises_is_dropped_with_a_note_and_the_search_goes_on(monkeypatch) -> None:
-    import ckpt_tune.tune.searcher as searcher_module
+    import ckpt_tune.tune.step_costs as step_costs_module
 
     def broken(*args, **kwargs):
         raise RuntimeError("Trying to backward through the graph a second time")
 
-    monkeypatch.setattr(searcher_module, "policy_ratios", broken)
+    monkeypatch.setattr(step_costs_module, "policy_ratios", broken)
     out = ckpt_tune.search(f"{OTHERS}:densenet", vram=str(6 << 20), settings=Settings(device="cpu", batch_fn=f"{OTHERS}:densenet_batch"))
     assert out.plan.verified_peak_bytes <= 6 << 20
     assert "op policies dropped for every block: RuntimeError: Trying to backward through the graph a second time" in out.result.notes

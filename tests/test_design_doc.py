@@ -78,3 +78,9 @@ def test_the_readme_is_a_front_door() -> None:
     assert len(pages) >= 4
     unlinked = [p for p in pages if f"(docs/{p}" not in readme]
     assert not unlinked, f"docs pages the README does not link: {unlinked}"
+
+
+def test_no_module_of_the_package_is_over_400_lines() -> None:
+    """A module owns one stage: one that grows past 400 lines is split by what it does."""
+    long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, f"split these modules: {long}"

@@ -23,12 +23,12 @@ B = 16
 def cheap_policies(monkeypatch):
     """Policies priced at half a whole-block checkpoint: whether one pays on this machine is a measured
     figure (benchmarks/ops.py); these tests check what follows from the price, not the price."""
-    import ckpt_tune.tune.searcher as searcher_module
+    import ckpt_tune.tune.step_costs as step_costs_module
 
     def half(runner, batch_size, units, policies, repeats=3):
         return {(u, p): 0.5 for u in units for p in policies}, {}
 
-    monkeypatch.setattr(searcher_module, "policy_ratios", half)
+    monkeypatch.setattr(step_costs_module, "policy_ratios", half)
 
 
 def searcher(fx=FX, candidates=None) -> Searcher:
@@ -115,12 +115,12 @@ def test_a_policy_torch_refuses_is_left_out_with_a_note() -> None:
 
 
 def test_a_policy_as_dear_as_the_whole_block_is_left_out(monkeypatch) -> None:
-    import ckpt_tune.tune.searcher as searcher_module
+    import ckpt_tune.tune.step_costs as step_costs_module
 
     def dear(runner, batch_size, units, policies, repeats=3):
         return {(u, p): 0.95 if p == "matmuls" else 0.7 for u in units for p in policies}, {}
 
-    monkeypatch.setattr(searcher_module, "policy_ratios", dear)
+    monkeypatch.setattr(step_costs_module, "policy_ratios", dear)
     s = searcher()
     s.order_units(B)
     assert [policy_of(o) for o in s.options if policy_of(o)] == ["half-matmuls"]
@@ -131,7 +131,7 @@ def test_a_policy_as_dear_as_the_whole_block_is_left_out(monkeypatch) -> None:
 def test_under_fake_tensors_a_policy_as_dear_as_the_whole_block_on_its_roofline_is_left_out(monkeypatch) -> None:
     """No device to time under fake tensors: the roofline share of the block's forward that a policy
     recomputes is its price, and the same rule leaves out one at nine tenths of the block or more."""
-    import ckpt_tune.tune.searcher as searcher_module
+    import ckpt_tune.tune.step_costs as step_costs_module
     from ckpt_tune.measure import fake_inputs, loader
 
     def shares(runner, batch_size, units, policies, repeats=3):
@@ -140,8 +140,8 @@ def test_under_fake_tensors_a_policy_as_dear_as_the_whole_block_on_its_roofline_
     def timed(*a, **k):
         raise AssertionError("no policy is timed under fake tensors")
 
-    monkeypatch.setattr(searcher_module, "recompute_shares", shares)
-    monkeypatch.setattr(searcher_module, "policy_ratios", timed)
+    monkeypatch.setattr(step_costs_module, "recompute_shares", shares)
+    monkeypatch.setattr(step_costs_module, "policy_ratios", timed)
     target = loader.Target("vit", __name__, None, "build", FX.build, FX.make_batch, FX.loss_fn, "make_batch", "loss_fn")
     model, batch_fn = fake_inputs.build_fake_model(target), fake_inputs.fake_batch_fn(target)
     with StepRunner(model, batch_fn, FX.loss_fn, StepSettings(device="meta")) as runner:

@@ -91,14 +91,12 @@ def _runner(device: str, build=Decoder) -> StepRunner:
 
 def _full_depth(s: Searcher, b: int):
     rep, s.repeat = s.repeat, None
-    s._terms.clear()
-    s._costs.clear()
+    s.forget_measured()
     try:
-        return s.terms(b), s._timing(b)
+        return s.terms(b), (s.costs(b), s.step_ms(b))
     finally:
         s.repeat = rep
-        s._terms.clear()
-        s._costs.clear()
+        s.forget_measured()
 
 
 # the CUDA-sized fake run and the CPU-rules fake run are make test-heavy; the real CPU run stays
@@ -111,7 +109,7 @@ def test_extended_terms_equal_full_depth_terms_to_the_byte(device):
         assert (s.repeat.first, s.repeat.last) == (0, 7)
         assert s.options[:4] == ("none", "block", "attn", "mlp")
         for b in (1, 3):
-            ext, ext_costs = s.terms(b), s._timing(b)
+            ext, ext_costs = s.terms(b), (s.costs(b), s.step_ms(b))
             assert s.repeat is not None, s.notes
             full, full_costs = _full_depth(s, b)
             assert (ext.static, ext.base, ext.fixed) == (full.static, full.base, full.fixed)
@@ -224,7 +222,7 @@ def test_the_states_after_ordering_are_the_full_models():
         assert s.repeat is not None
         assert "ops" in s.candidates
         assert len(s.options) > 4  # the op policies were counted, on the shortened chain
-        params, grads, _opt = s._states()
+        params, grads, _opt = s.states()
         assert grads == sum(p.numel() * p.element_size() for p in runner.model.parameters() if p.requires_grad)
         assert grads == params
 
@@ -255,7 +253,7 @@ def test_probes_shared_out_over_two_processes_give_the_same_terms(monkeypatch):
             s = Searcher(runner, progress=said.append)
             s.order_units(1)
             # both small batches: two processes record some of their probes alongside the ordering step
-            got[workers] = ((s.terms(1), s.terms(4)), s.runs, len(s._probe_s["short"]), said)
+            got[workers] = ((s.terms(1), s.terms(4)), s.runs, len(s.probe_seconds["short"]), said)
     (t4, runs, timed, _), (u4, runs2, timed2, said) = got["1"], got["2"]
     assert t4 == u4
     assert (runs, timed) == (runs2, timed2)
@@ -274,9 +272,9 @@ def test_first_probes_recorded_alongside_the_ordering_step_are_the_later_ones(mo
         with _runner("cuda", Decoder) as runner:
             s = Searcher(runner)
             s.order_units(1)
-            early = dict(s._short_cuts)
+            early = dict(s.short_cuts)
             s.terms(1), s.terms(4)
-            cuts[workers] = (early, dict(s._short_cuts))
+            cuts[workers] = (early, dict(s.short_cuts))
     early, later = cuts["2"]
     # kept: no checkpointing at 1 and 4 at least, then others until the ordering step ended
     assert len(early) >= probing_module.EARLY_PROBES
@@ -299,10 +297,10 @@ def test_verification_and_frontier_alongside_a_batchs_probes_are_the_ones_run_af
         s.order_units(1)
         budget = min_peak(s.fitted(8, 1, 4), s.costs(1)).peak
         s.prefetch((8,), timing=(8,), budget=budget)
-        (b, choice), peak = next(iter(s._speculated.items()))
+        (b, choice), peak = next(iter(s.speculated.items()))
         assert b == 8
         sizes = s.frontier_sizes(8)
         cached = s.frontier(budget, sizes, 1, 4, 8)
-        s._frontiers.clear()
+        s.frontiers.clear()
         assert cached == s.frontier(budget, sizes, 1, 4, 8)
         assert peak == s.verify(8, tuple(s.terms(8).names(choice)), choice)

@@ -482,18 +482,18 @@ def test_segments_dropped_from_the_terms_stay_dropped_when_a_plan_is_learned(mon
     the dropped estimates back (they would cost the search more verification runs)."""
     import types
 
-    import ckpt_tune.tune.searcher as search_module
+    import ckpt_tune.tune.terms as terms_module
     from ckpt_tune.tune.memory_model import BlockTerms, RunCut, Terms
 
     s = Searcher(types.SimpleNamespace(model=None), units=["b0", "b1", "b2", "b3"], segments=True)
     s.segment_keys = ((0, 1), (1, 2), (2, 3), (0, 2))
     blk = BlockTerms((10,) * 4, (5,) * 4, (20,) * 4)
-    s._terms[8] = s._with_segments(Terms(8, s.units, 0, 0, 0, (blk,) * 4))
-    monkeypatch.setattr(search_module, "cut_run", lambda *a, **k: RunCut((), 0, 0, (10,) * 4, (5,) * 4, (20,) * 4, 0))
+    s.probed[8] = s.with_segments(Terms(8, s.units, 0, 0, 0, (blk,) * 4))
+    monkeypatch.setattr(terms_module, "cut_run", lambda *a, **k: RunCut((), 0, 0, (10,) * 4, (5,) * 4, (20,) * 4, 0))
     run = types.SimpleNamespace(timeline=types.SimpleNamespace(live_at=None, max_between=None, markers=None))
     plan = with_segment((0, 0, 0, 0), 0, 1)
-    s._learn_segments(8, plan, run)
+    s.learn_segments(8, plan, run)
     s.drop_estimated_segments(8)
-    assert sorted(s._terms[8].segments) == [(0, 1)]
-    s._learn_segments(8, plan, run)
-    assert sorted(s._terms[8].segments) == [(0, 1)]
+    assert sorted(s.probed[8].segments) == [(0, 1)]
+    s.learn_segments(8, plan, run)
+    assert sorted(s.probed[8].segments) == [(0, 1)]

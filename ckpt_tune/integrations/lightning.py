@@ -117,9 +117,8 @@ class CheckpointTuner(pl.Callback):
         self.device = device
         self.precision = None if precision is None else vocab.known("precision", precision, vocab.PRECISIONS)
         self.optimizer = None if optimizer is None else vocab.optimizer(optimizer).name
-        if candidates is not None and not isinstance(candidates, str):
-            candidates = ",".join(candidates)
-        self.candidates = None if candidates is None else vocab.candidate_kinds(candidates)
+        joined = candidates if candidates is None or isinstance(candidates, str) else ",".join(candidates)
+        self.candidates = None if joined is None else vocab.candidate_kinds(joined)
         self.segments = segments
         self.batch_size = batch_size
         self.target_batch = target_batch
@@ -131,7 +130,7 @@ class CheckpointTuner(pl.Callback):
     @property
     def plan(self) -> Plan | None:
         """The plan found and applied (None before `fit` started)."""
-        return None if self.outcome is None else self.outcome.plan
+        return getattr(self.outcome, "plan", None)
 
     # -- the callback's hooks ------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str | None = None) -> None:

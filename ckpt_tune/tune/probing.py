@@ -1,7 +1,8 @@
 """Probe steps of a search, and how they are shared out over the cores (docs/design.md §3, §4).
 
-`ProbeSteps` is the part of `Searcher` (searcher.py) that records probe steps on the shortened chain of
-identical blocks (repeats.py) and shares independent work out over forked processes (measure/forked.py):
+`ProbeSteps` is the part of a search (search_state.py) that records probe steps on the shortened chain
+of identical blocks (repeats.py) and shares independent work out over forked processes
+(measure/forked.py):
 
 - the first probes, recorded by a forked process while the ordering step runs (`_early_probes`);
 - every probe of the batches the search asks for next, with the FLOP counts there, in one share-out
@@ -10,8 +11,8 @@ identical blocks (repeats.py) and shares independent work out over forked proces
   batch's probes, and the frontier solved beside them (`_likely_plan`);
 - the probes' cuts extended to full-depth terms (`_shortened_terms`).
 
-It reads and fills the searcher's state (its runner, chain, options and caches): a base class, not an
-object of its own. Whatever it records is the same to the byte on one core or many (tests/test_repeats.py).
+It reads and fills the search's state (`SearchState`: its runner, chain, options and caches). Whatever
+it records is the same to the byte on one core or many (tests/test_repeats.py).
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ import time
 import torch
 
 from ckpt_tune.measure.forked import fork_map, resident_bytes, usable_workers
-from ckpt_tune.measure.runner import StepRunner
-from ckpt_tune.measure.sharded import ShardedRunner
 from ckpt_tune.tune.memory_model import (
     RunCut,
     Terms,
@@ -38,6 +37,7 @@ from ckpt_tune.tune.memory_model import (
 )
 from ckpt_tune.tune.planner import solve
 from ckpt_tune.tune.repeats import Repeat, check_against, extend, extended_fixed, find_repeat, shortened
+from ckpt_tune.tune.search_state import SearchState
 
 # Shortened probes recorded alongside the ordering step whatever its length; more while it runs.
 EARLY_PROBES = 2
@@ -51,14 +51,8 @@ class OptionFailed(Exception):
         self.option = option
 
 
-class ProbeSteps:
+class ProbeSteps(SearchState):
     """Probe steps on the shortened chain and their share-outs, for `Searcher` (see the module docstring)."""
-
-    @property
-    def _plain(self) -> bool:
-        """A plain or sharded runner, the only ones whose steps may be shortened or forked: HostGuard
-        (measure/host.py) bounds later steps by the ones it ran, which a shortened step would fool."""
-        return type(self.runner) in (StepRunner, ShardedRunner)
 
     def _early_repeat(self) -> Repeat | None:
         """The run of identical blocks of the chain as the model declares it (find_blocks' order), when
@@ -117,21 +111,6 @@ class ProbeSteps:
         seconds.append(time.perf_counter() - t0)
         done.append(seconds[0])
 
-    def _say(self, msg: str) -> None:
-        """A progress line, from this process only: a forked one (measure/forked.py) is silent."""
-        if os.getpid() == self._pid:
-            self.progress(msg)
-
-    def _timed(self, kind: str, seconds: float) -> None:
-        """A probe step of this kind recorded (here or in a forked process) in `seconds`."""
-        self.runs += 1
-        self._probe_s.setdefault(kind, []).append(seconds)
-
-    def _workers(self, items: int) -> int:
-        """Processes to share `items` independent probe steps or solves out over (measure/forked.py):
-        one, unless the steps are fake (order_units decides)."""
-        return usable_workers(items, resident_bytes()) if self._forks and items else 1
-
     @contextlib.contextmanager
     def _option_probe(self, label: str):
         """The probe step of a policy option: a failure of the step (torch refuses the policy on this
@@ -149,7 +128,7 @@ class ProbeSteps:
     def _shortened_cut(self, batch_size: int, choice: tuple[int, ...], label: str = "none", step: tuple[int, int] = (1, 1)) -> RunCut:
         """One probe on the shortened chain (repeats.py), cached; `step`: its place among this batch's probes."""
         self._record_shorts([(batch_size, label, choice, step)])
-        return self._short_cuts[(batch_size, choice)]
+        return self.short_cuts[(batch_size, choice)]
 
     def _record_short(self, batch_size: int, choice: tuple[int, ...], label: str, step: tuple[int, int], workers: int = 1) -> tuple[RunCut, float]:
         """(cut, seconds) of one probe on the shortened chain. It changes nothing of the searcher's, so
@@ -170,8 +149,8 @@ class ProbeSteps:
         the no-checkpointing probe at its batch (kept first)."""
         self._timed("short", seconds)
         if any(key[1]):
-            cut = with_step_of(cut, self._short_cuts[(key[0], (0,) * len(key[1]))].after)
-        self._short_cuts[key] = cut
+            cut = with_step_of(cut, self.short_cuts[(key[0], (0,) * len(key[1]))].after)
+        self.short_cuts[key] = cut
 
     def _short_configs(self) -> dict[str, tuple[int, ...]]:
         """The probe configurations of the shortened chain (memory_model.probe_configs)."""
@@ -182,7 +161,7 @@ class ProbeSteps:
         """Every probe of `configs` on the shortened chain at this batch, each as it would be recorded alone."""
         n = len(configs)
         self._record_shorts([(batch_size, label, choice, (j + 1, n)) for j, (label, choice) in enumerate(configs.items())])
-        return [self._short_cuts[(batch_size, choice)] for choice in configs.values()]
+        return [self.short_cuts[(batch_size, choice)] for choice in configs.values()]
 
     def _record_shorts(self, probes: list, timing: tuple[int, ...] = (), plan: tuple | None = None, budget: int | None = None) -> None:
         """Record the shortened probes (batch, label, choice, (j, n)) not yet recorded, count FLOPs at
@@ -194,17 +173,17 @@ class ProbeSteps:
         todo = {(b, choice): (b, label, choice, step) for b, label, choice, step in probes}
         for b, _label, _choice, step in list(todo.values()):
             todo.setdefault((b, none), (b, "none", none, (1, step[1])))
-        todo = {k: v for k, v in todo.items() if k not in self._short_cuts}
+        todo = {k: v for k, v in todo.items() if k not in self.short_cuts}
         items = [("short", v) for k, v in sorted(todo.items(), key=lambda kv: any(kv[0][1]))]
         if self.real is not self.runner:  # step times are real steps: in this process, when asked for
             timing, plan = (), None
         # with a plan to verify, the frontier around its batch is solved after the FLOP count there (the
         # search's answer is most often that batch); on the small batches' terms, probed before
         rows = None
-        if plan is not None and budget is not None and {self.b1, self.b2} <= set(self._terms):
-            rows = (budget, plan[0], self.frontier_sizes(plan[0]), frozenset(self._terms))
+        if plan is not None and budget is not None and {self.b1, self.b2} <= set(self.probed):
+            rows = (budget, plan[0], self.frontier_sizes(plan[0]), frozenset(self.probed))
         items += [("frontier" if rows and b == plan[0] else "time", b) for b in dict.fromkeys(timing) if b not in self._costs]
-        items += [("verify", plan)] if plan is not None and (plan[0], plan[2]) not in self._speculated else []
+        items += [("verify", plan)] if plan is not None and (plan[0], plan[2]) not in self.speculated else []
         if not items:
             return
         workers = self._workers(len(items))
@@ -239,10 +218,10 @@ class ProbeSteps:
             elif kind == "frontier":
                 self._costs[what] = res[0]
                 budget_, b, sizes, known = rows
-                self._frontiers[(self._kind, budget_, tuple(sizes), self.b1, self.b2, b)] = (res[1], self._version, known)
+                self.frontiers[(self._kind, budget_, tuple(sizes), self.b1, self.b2, b)] = (res[1], self._version, known)
             elif kind == "verify":
                 self.runs += 1
-                self._speculated[(what[0], what[2])] = res[0]
+                self.speculated[(what[0], what[2])] = res[0]
             else:
                 self._keep_short((what[0], what[2]), *res)
 
@@ -272,7 +251,7 @@ class ProbeSteps:
         """(b, names, choice) of the plan the fitted terms choose at b, when its verification can be
         shared out with the probes there: b not yet probed, an iteration of one batch, a measured step
         (not divided by arithmetic), and no segment (whose terms a verification would teach)."""
-        if b in self._terms or b in (self.b1, self.b2) or self.accum_steps != 1 or self.sharding == "arithmetic" or self.real is not self.runner:
+        if b in self.probed or b in (self.b1, self.b2) or self.accum_steps != 1 or self.sharding == "arithmetic" or self.real is not self.runner:
             return None
         t = self.fitted(b, self.b1, self.b2)
         sol = solve(t, self.costs(self.b1), budget)

@@ -1,0 +1,161 @@
+"""What each option of a block costs in time, and the plain step's time (docs/design.md §4).
+
+A checkpointed module's recompute costs its forward once more: the costs are the modules' forward times
+in a timed step (`runner.time_step`), or their FLOPs where there is no device to time (under fake
+tensors; identical blocks counted on the shortened chain). An op policy costs the share of its block's
+forward in the ops it recomputes. With probes under fake tensors, one real step is timed at a batch
+that fits the budget and scaled linearly in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ckpt_tune.measure.op_costs import policy_ratios, recompute_shares
+from ckpt_tune.measure.timing import Timing
+from ckpt_tune.plan.entry import POLICIES
+from ckpt_tune.tune.batch_search import largest
+from ckpt_tune.tune.memory_model import policy_of, policy_option, predict
+from ckpt_tune.tune.repeats import count_flops, extend_forward, shortened
+from ckpt_tune.tune.search_state import SearchState
+
+# An op policy whose recompute costs more than this fraction of checkpointing the whole block in every
+# block is left out: it keeps more bytes than the whole-block checkpoint for (within timing noise, or
+# the roofline's error under fake tensors) no less time, and each policy offered costs a recorded step
+# per probed batch.
+WORTH_A_POLICY = 0.9
+# With probes under fake tensors, a step runs for real only where the recorded terms put its peak this
+# fraction under the budget (fake and real steps differ by tens of bytes; a margin for what they miss).
+REAL_ROOM = 0.02
+
+
+class StepCosts(SearchState):
+    """Costs per block and option, and the step's time, per batch (cached in `_costs`)."""
+
+    def _useful_policies(self, batch_size: int) -> list[str]:
+        """The op policies that keep something in some block (one forward, measure/op_costs.py): a
+        policy that keeps nothing is checkpointing the whole block, at the price of a recorded step."""
+        shares = self._recompute_shares(batch_size, POLICIES, repeats=1)
+        useful = [p for p in POLICIES if any(shares[(u, p)] < 1.0 for u in self.units)]
+        if len(useful) < len(POLICIES):
+            self.notes.append(
+                "op policies that keep no op of any block, left out: "
+                + ", ".join(p for p in POLICIES if p not in useful)
+            )
+        if not useful:
+            return []
+        if self.real.fake:
+            # no device to time: a policy's cost is the share of the block's forward in the ops it
+            # recomputes, on a roofline (the shares above, which price it in `_time` too)
+            dear = {p: min(shares[(u, p)] for u in self.units) for p in useful}
+            where = f"on a roofline of its ops (counted at batch {batch_size})"
+        else:
+            # each kind of block timed alone under each policy, at the second small batch: a policy
+            # torch refuses is left out before any step is recorded with it
+            at = max(batch_size, self.b2)
+            self._ratios, refused = policy_ratios(self.real, at, self.units, useful)
+            for p, why in refused.items():
+                self.notes.append(f"op policy {p} left out: torch refused it on this model ({why})")
+            useful = [p for p in useful if p not in refused]
+            dear = {p: min(self._ratios[(u, p)] for u in self.units) for p in useful}
+            where = f"on this device (measured at batch {at})"
+        # one that costs about as much as checkpointing the whole block (WORTH_A_POLICY) is left out
+        for p, worst in dear.items():
+            if worst > WORTH_A_POLICY:
+                self.notes.append(f"op policy {p} left out: its recompute costs {worst:.2f}x checkpointing the whole block {where}")
+        useful = [p for p in useful if dear[p] <= WORTH_A_POLICY]
+        return [p for p in useful if policy_option(p) not in self._dropped]
+
+    def _recompute_shares(self, batch_size: int, policies, repeats: int = 3) -> dict[tuple[str, str], float]:
+        """op_costs.recompute_shares of the chain; under fake tensors, identical blocks' on the shortened
+        chain (a share is a count of FLOPs and bytes, the same for each of them)."""
+        rep = self.repeat if self.runner.fake else None
+        if rep is None:
+            return recompute_shares(self.runner, batch_size, self.units, policies, repeats)
+        with shortened(self.runner.model, rep, forward_only=True):  # the last step's gradients stay
+            short = recompute_shares(self.runner, batch_size, rep.short_units, policies, repeats)
+        ref = rep.extended()
+        return {(u, p): short[(ref.get(u, u), p)] for u in self.units for p in policies}
+
+    def costs(self, batch_size: int) -> tuple[tuple[float, ...], ...]:
+        """Recompute cost of each block's options: the checkpointed module's forward time (ms) at this batch."""
+        return self._timing(batch_size)[0]
+
+    def step_ms(self, batch_size: int) -> float:
+        return self._timing(batch_size)[1]
+
+    def _timing(self, batch_size: int) -> tuple[tuple[tuple[float, ...], ...], float]:
+        if batch_size not in self._costs:
+            with self._stage("timing"):
+                self._costs[batch_size] = self._time(batch_size)
+        return self._costs[batch_size]
+
+    def _time(self, batch_size: int) -> tuple[tuple[tuple[float, ...], ...], float]:
+        scale, oom, t = 1.0, False, None
+        if self.repeat is not None and self.real.fake:
+            # FLOPs of identical blocks are identical: count them on the shortened chain
+            self._say(f"counting FLOPs at batch {batch_size} on {len(self.repeat.short_units)} of {len(self.units)} blocks")
+            rep = self.repeat
+            with shortened(self.runner.model, rep):
+                forward, step = count_flops(self.runner, batch_size)
+            mid = step.get(rep.short_units[rep.first + 1], 0.0)
+            total = step[None] + rep.removed * mid
+            t = Timing(batch_size, (), max(total, 1e-9), extend_forward(forward, rep), unit="GFLOP")
+        if t is None and self.real is not self.runner:
+            t, scale = self._time_within_budget(batch_size)
+        if t is None:
+            try:
+                t = self.runner.time_step(batch_size, repeats=3)
+            except torch.OutOfMemoryError:
+                oom = True  # the plain step at this batch exceeds the device (a real GPU): time a small one
+        if oom:
+            torch.cuda.empty_cache()
+            self.notes.append(f"batch {batch_size}: the plain step does not fit the device; times scaled from batch {self.b2}")
+            t, scale = self.runner.time_step(self.b2, repeats=3), batch_size / self.b2
+
+        policies = [p for o in self.options if (p := policy_of(o)) is not None]
+        at = batch_size if scale == 1.0 else self.b2
+        # a policy's cost relative to its block's forward: on a device, its time against checkpointing
+        # the whole block (measured once by order_units); under fake tensors, the share of the forward
+        # in the ops it recomputes, on a roofline
+        shares = self._recompute_shares(at, policies) if self.real.fake else self._ratios
+
+        def cost(u: str, k: int) -> float:
+            policy = policy_of(self.options[k])
+            if policy is not None:  # the block's forward, less the ops the policy keeps
+                return scale * max(t.forward_ms.get(u, 0.0) * shares[(u, policy)], 1e-6)
+            mods = [u] if k == 1 else [f"{u}.{sub}" for sub in self.options[k].split("+")]
+            return scale * max(sum(t.forward_ms.get(x, 0.0) for x in mods), 1e-6)
+
+        costs = tuple((0.0, *(cost(u, k) for k in range(1, len(self.options)))) for u in self.units)
+        return costs, scale * t.step_ms
+
+    def _time_within_budget(self, batch_size: int) -> tuple[Timing, float]:
+        """(timing, scale) for `batch_size` when probes are fake: one real step timed, at the largest batch
+        whose plain step the terms of the small batches put REAL_ROOM under the budget (every block
+        checkpointed at the first small batch where none does), scaled linearly in the batch
+        (docs/design.md §4)."""
+        if self._real_timing is None:
+            none = (0,) * len(self.units)
+
+            def plain_fits(b: int) -> bool:
+                t = self.fitted(b, self.b1, self.b2)
+                return t.measured.get(none, predict(t, none)) <= (self.budget or 0) * (1 - REAL_ROOM)
+
+            at = largest(plain_fits, self.b1)
+            checkpoint = [] if at else list(self.units)
+            at = at or self.b1
+            self._say(f"timing the step at batch {at} on the device" + (", every block checkpointed" if checkpoint else ""))
+            t = self.real.time_step(at, checkpoint=checkpoint, repeats=3)
+            # checkpointed, the blocks' forwards ran twice: the plain step's time runs them once
+            again = sum(t.forward_ms.get(u, 0.0) for u in checkpoint)
+            self._real_timing = replace(t, step_ms=max(t.step_ms - again, 1e-9))
+            self.real_timed += 4  # a warm-up and three timed steps (measure/runner.py)
+            self.notes.append(
+                f"step times measured on the device at batch {at}{' with every block checkpointed' if checkpoint else ''}"
+                " and scaled linearly to other batches (the probes ran under fake tensors)"
+            )
+        return self._real_timing, batch_size / self._real_timing.batch_size
+

@@ -1,0 +1,221 @@
+"""The recorded terms of a search, per batch (docs/design.md §4), and the steps that verify a plan.
+
+`TermStore.terms(b)` records the probes at batch b (on the shortened chain of identical blocks where
+there is one, probing.py; else at full depth, shared out over the cores under fake tensors) and keeps
+the memory model's terms. Segments' terms are estimated from the blocks' until a verified plan that has
+them teaches their measured terms (`learn_segments`); a segment whose recompute failed is forbidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ckpt_tune.measure.forked import fork_map
+from ckpt_tune.measure.runner import Measurement, StepRunner
+from ckpt_tune.tune.memory_model import (
+    RunCut,
+    SegmentTerms,
+    Terms,
+    combine,
+    cut_run,
+    estimate_segments,
+    probe_configs,
+    segment_terms,
+    segments_of,
+    with_step_of,
+)
+from ckpt_tune.tune.probing import OptionFailed, ProbeSteps
+from ckpt_tune.tune.repeats import NotRepeated
+from ckpt_tune.tune.search_state import first_line
+from ckpt_tune.tune.sharding import peak_of, per_gpu_terms, shard_moment
+
+
+class TermStore(ProbeSteps):
+    """Terms per batch and kind of iteration (`_terms_by_kind`), their segments, the verifications."""
+
+    def terms(self, batch_size: int) -> Terms:
+        """Terms of the iteration searched, probed at this batch (cached). With gradient accumulation
+        the probes run two micro-batches and are cut at the second, where every gradient is live (as
+        in every later micro-batch); the first is part of the iteration's fixed term."""
+        if batch_size not in self.probed:
+            self._at = batch_size
+            with self._stage("probe"):
+                while True:
+                    try:
+                        self.probed[batch_size] = self._probe(batch_size)
+                        break
+                    except OptionFailed as e:
+                        self._drop_option(e.option, e.__cause__)
+        return self._restrict(self.probed[batch_size])
+
+    def _probe(self, batch_size: int) -> Terms:
+        t = None
+        if self.repeat is not None and self._kind == 1:
+            try:
+                t = self._shortened_terms(batch_size)
+            except (torch.OutOfMemoryError, OptionFailed, KeyboardInterrupt):
+                raise
+            except Exception as e:  # NotRepeated, or the shortened chain failed: a refinement (§8)
+                rep, self.repeat = self.repeat, None
+                self.notes.append(
+                    f"blocks {self.units[rep.first]}..{self.units[rep.last]} look identical but were recorded "
+                    f"at full depth: {e if isinstance(e, NotRepeated) else first_line(e)}"
+                )
+                self.probed.clear()  # every batch on full-depth probes alike
+                self.short_cuts.clear()
+        if t is None:
+            t = self._full_terms(batch_size)
+            if t is None:
+                # on a real GPU the no-checkpointing probe at a large batch can exceed the device:
+                # fall back to the line through the two small batches (verification still runs)
+                torch.cuda.empty_cache()
+                self.notes.append(f"batch {batch_size}: a probe ran out of device memory; terms fitted from batches {self.b1} and {self.b2}")
+                return self.terms(self.b1).interpolate(self.terms(self.b2), batch_size)
+        t = replace(t, groups=self.spans)
+        t = self.with_segments(t)
+        if self.sharding == "arithmetic":
+            params, opt, _grads = self.runner.state_bytes()
+            t = per_gpu_terms(t, params, opt, self.world_size, self.shard, self.gathered_bytes())
+        return t
+
+    def _full_terms(self, batch_size: int) -> Terms | None:
+        """Terms from the probe runs at full depth; None when a probe ran out of device memory. Under
+        fake tensors the probes are shared out over the cores (measure/forked.py)."""
+        configs = probe_configs(len(self.units), len(self.options), self._has)
+        n = len(configs)
+        reuse = self._order_cut is not None and self._kind == 1 and self._order_cut[0] == batch_size
+        todo = [(j, label, choice) for j, (label, choice) in enumerate(configs.items()) if not (reuse and not any(choice))]
+        workers = self._workers(len(todo))
+        # only the no-checkpointing probe records the optimizer step; the others take its moments
+        # (memory_model.with_step_of), as the shortened probes do
+        borrow = self._kind == 1 and self._plain
+        try:
+            got = fork_map(lambda t: self._record_full(batch_size, *t, n, workers, not (borrow and any(t[2]))), todo, workers)
+        except torch.OutOfMemoryError:
+            if batch_size in (self.b1, self.b2):
+                raise
+            return None  # the failed step's tensors are gone with the exception
+        cuts, static = [], 0
+        if reuse:  # order_units recorded the no-checkpointing step at this batch
+            cuts.append(self._order_cut[1])
+            static = self._order_cut[2]
+        for cut, static_bytes, seconds in got:
+            self._timed("full", seconds)
+            cuts.append(cut)
+            static = static_bytes
+        if borrow:
+            after = next(c.after for c in cuts if not any(c.choice))
+            cuts = [with_step_of(c, after) if any(c.choice) else c for c in cuts]
+        return combine(cuts, self.units, static, batch_size, self.options)
+
+    def _record_full(
+        self, batch_size: int, j: int, label: str, choice: tuple[int, ...], n: int, workers: int, optimizer_step: bool = True
+    ) -> tuple[RunCut, int, float]:
+        """(cut, static bytes, seconds) of probe j of n at full depth, with or without the optimizer
+        step; it changes nothing of the searcher's, so a forked process can run it."""
+        with self._probe_step(f"probing batch {batch_size} ({label} checkpointed)", j + 1, n, "full", workers) as seconds, self._option_probe(label):
+            m = self.runner.measure(
+                batch_size, checkpoint=self.names(choice), units=self.units, accum_steps=self._kind, optimizer_step=optimizer_step
+            )
+        tl = m.timeline
+        return cut_run(tl.live_at, tl.max_between, tl.markers, self.units, choice, pick=-1), m.static_bytes, seconds[0]
+
+    def with_segments(self, t: Terms) -> Terms:
+        """The candidate segments' terms: measured where a verified plan had them, else estimated."""
+        if not self.segment_keys:
+            return t
+        segs = estimate_segments(t, self.segment_keys)
+        for key, seg in self._measured_segments.get(t.batch_size, {}).items():
+            segs[key] = SegmentTerms(
+                tuple(seg.d[p] if p in seg.measured else e for p, e in enumerate(segs[key].d)),
+                tuple(seg.F[p] if p in seg.measured else e for p, e in enumerate(segs[key].F)),
+                tuple(seg.B[p] if p in seg.measured else e for p, e in enumerate(segs[key].B)),
+                seg.measured,
+            )
+        return replace(t, segments=segs)
+
+    def learn_segments(self, batch_size: int, choice: tuple[int, ...], measurement) -> None:
+        """Take the terms of the plan's segments from its recorded run (replacing their estimates)."""
+        segs = segments_of(choice)
+        if not segs:
+            return
+        tl = measurement.timeline
+        cut = cut_run(tl.live_at, tl.max_between, tl.markers, self.units, choice, pick=-1)
+        self._version += 1
+        known = self._measured_segments.setdefault(batch_size, {})
+        for i, j in segs:
+            prev = self._prev_of(choice, i)
+            known[(i, j)] = segment_terms(cut, i, j, prev, len(self.options), known.get((i, j)))
+        old = self.probed[batch_size]
+        new = self.with_segments(old)
+        # segments dropped from these terms (drop_estimated_segments, _forbid_segments) stay dropped
+        new = replace(new, segments={k: v for k, v in new.segments.items() if k in old.segments})
+        if self.sharding == "arithmetic":  # the sharding arithmetic touches static only: keep it
+            new = replace(new, static=old.static)
+        self.probed[batch_size] = new
+
+    def drop_estimated_segments(self, batch_size: int) -> None:
+        """Keep only segments whose terms were measured (for the predecessor options measured)."""
+        self.terms(batch_size)
+        self._version += 1
+        t = self.probed[batch_size]
+        self.probed[batch_size] = replace(t, segments={k: v for k, v in t.segments.items() if v.measured})
+
+    def _forbid_segments(self, segs: list[tuple[int, int]], why: str) -> None:
+        """Drop segments whose recompute did not repeat the forward (code between their blocks saved
+        tensors for backward): every segment spanning the same blocks' links goes."""
+        links = {k for i, j in segs for k in range(i + 1, j + 1)}
+        failed_groups = {key for key in segs if key in self.spans}
+        for key in failed_groups:
+            del self.spans[key]
+        self.segment_keys = tuple(
+            key for key in self.segment_keys
+            if key not in failed_groups and (key in self.spans or not links & set(range(key[0] + 1, key[1] + 1)))
+        )
+        keep = set(self.segment_keys)
+        self._version += 1
+        for b, t in self.probed.items():
+            self.probed[b] = replace(t, segments={k: v for k, v in t.segments.items() if k in keep})
+        for known in self._measured_segments.values():
+            for k in [k for k in known if k not in keep]:
+                del known[k]
+        names = ", ".join(f"{self.units[i]}..{self.units[j]}" for i, j in segs)
+        self.notes.append(f"segments {names} dropped: their recompute did not repeat the forward ({why.splitlines()[0][:120]})")
+
+    def fitted(self, batch_size: int, b1: int, b2: int) -> Terms:
+        if batch_size in self.probed or batch_size in (b1, b2):
+            return self.terms(batch_size)
+        return self.terms(b1).interpolate(self.terms(b2), batch_size)
+
+    def verify(self, batch_size: int, names: tuple, choice: tuple[int, ...] = ()) -> int:
+        n_seg = len(segments_of(choice))
+        self.progress(
+            f"verifying batch {batch_size} with {len(names)} checkpoints" + (f" ({n_seg} segments)" if n_seg else "")
+        )
+        self._at = batch_size
+        with self._stage("verify"):
+            m = self._measure_plan(batch_size, names, self.real)
+        self.runs += 1
+        if batch_size in self.probed:
+            self.learn_segments(batch_size, choice, m)
+        if self.sharding != "arithmetic":
+            return m.peak_bytes
+        # a sharded step cannot run here: its recorded single-GPU moments, sharded by arithmetic
+        from ckpt_tune.tune.moments import moments_of
+
+        moments = (shard_moment(x, self.world_size, self.shard, self.gathered_bytes()) for x in moments_of(m))
+        return peak_of(moments).total
+
+    def _measure_plan(self, batch_size: int, names, runner: StepRunner | None = None) -> Measurement:
+        """One recorded iteration of a plan at full depth (the verification, here or beside the probes
+        in a forked process): recorded per module where the sharding arithmetic needs the moments."""
+        runner = runner or self.runner
+        m = runner.measure(
+            batch_size, checkpoint=list(names), units=self.units, attribute=self.sharding == "arithmetic", accum_steps=self.accum_steps
+        )
+        if runner is self.real and self.real is not self.runner:
+            self.real_peaks.append(m.peak_bytes)
+        return m
+
