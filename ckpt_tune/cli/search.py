@@ -52,7 +52,8 @@ def search(
     world_size: Annotated[int, typer.Option("--world-size", min=1, help="GPUs of a sharded data-parallel run: plan per GPU")] = 1,
     shard: Annotated[str, typer.Option("--shard", help="none | zero1 | zero2 | zero3 | fsdp: what is divided by --world-size")] = "none",
     segments: Annotated[bool, typer.Option("--segments/--no-segments", help="also plan runs of consecutive blocks under one checkpoint (--no-segments: one checkpoint per module, e.g. for FSDP wrapped per block)")] = True,
-    candidates: Annotated[str, typer.Option("--candidates", help="kinds of choice the planner may use, comma-separated: blocks (whole blocks and the stages holding them), submodules (a block's attention or MLP), segments (runs of blocks under one checkpoint), ops (op-level policies of a block: keep matmul outputs, recompute the rest); or all")] = "all",
+    candidates: Annotated[str, typer.Option("--candidates", help="kinds of choice the planner may use, comma-separated: blocks (whole blocks and the stages holding them), submodules (a block's attention or MLP), segments (runs of blocks under one checkpoint), ops (op-level policies of a block: keep matmul outputs, recompute the rest); or all (these four); add offload (a block's saved tensors kept in host memory; GPUs and --device meta only)")] = "all",
+    host_link: Annotated[float, typer.Option("--host-link", min=0.001, help="GB/s of the host link offload's transfers are priced at (modelled): PCIe 4.0 x16 by default")] = 25.0,
     out: Annotated[Path | None, typer.Option("--out", help="write the plan YAML here")] = None,
     patch: Annotated[Path | None, typer.Option("--patch", help="write the patch snippet here")] = None,
     emit: Annotated[str | None, typer.Option("--emit", help="torchtitan | deepspeed | hf-args: the closest configuration that launcher understands (TOML, JSON, TrainingArguments kwargs), what it cannot express and its measured peak; on stdout, or in --emit-out")] = None,
@@ -80,7 +81,7 @@ def search(
     with report.progress("searching") as update:
         outcome = search_api.search(target, vram, batch_size=batch_size, target_batch=target_batch, margin=margin,
                              settings=settings, progress=update, world_size=world_size, shard=shard, segments=segments,
-                                    candidates=kinds)
+                                    candidates=kinds, host_link=host_link * 1e9)
     elapsed = time.perf_counter() - t0
     plan_yaml = plan_to_yaml(outcome.plan)
     snippet = patch_snippet(outcome.plan, hf=outcome.is_hf)

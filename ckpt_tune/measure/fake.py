@@ -60,6 +60,7 @@ from ckpt_tune.measure.scratch import (
     calibrated,
 )
 from ckpt_tune.measure.timeline import Timeline
+from ckpt_tune.plan import offload
 
 aten = torch.ops.aten
 
@@ -234,6 +235,8 @@ class FakeRecorder:
             self._hidden = self._hidden | bnb_scratch_ops()
         self._gc_was_enabled = False
         self._rng: contextlib.AbstractContextManager | None = None
+        self._hosting = 0  # inside `host()`: new storages are host memory, not the device's
+        self._host_was = offload.HOST_ALLOCATIONS
 
     def __enter__(self) -> FakeRecorder:
         # Garbage from earlier work must not be collected in the middle of the iteration, where freeing
@@ -252,6 +255,8 @@ class FakeRecorder:
         if self.device_type == "cpu":
             self._rng = cpu_rng_states()
             self._rng.__enter__()
+        elif self.device_type == "cuda":  # offloaded tensors' copies are host memory (plan/offload.py)
+            self._host_was, offload.HOST_ALLOCATIONS = offload.HOST_ALLOCATIONS, self.host
         return self
 
     def __exit__(self, *exc) -> None:
@@ -264,6 +269,8 @@ class FakeRecorder:
         finally:
             self._mode = None
             self._active = False
+            if self.device_type == "cuda":
+                offload.HOST_ALLOCATIONS = self._host_was
             _RECORDERS.remove(self)
             if not self._intercept_marks:
                 timeline.remove_listener(self._marker)
@@ -303,7 +310,19 @@ class FakeRecorder:
         r = self.round_to
         return -(-n // r) * r if r > 1 else n
 
+    @contextlib.contextmanager
+    def host(self) -> Iterator[None]:
+        """Storages made in here are host memory standing in for a GPU's host: not counted, ever."""
+        self._hosting += 1
+        try:
+            yield
+        finally:
+            self._hosting -= 1
+
     def _alloc(self, st: torch.UntypedStorage, key: int, size: int | None) -> None:
+        if self._hosting:
+            self._old[key] = weakref.ref(st, functools.partial(self._forget_old, key))
+            return
         n = self._rounded(st.nbytes() if size is None else size)
         self._live[key], self._raw[key] = n, st.nbytes()
         self._refs[key] = weakref.ref(st, functools.partial(self._free, key))

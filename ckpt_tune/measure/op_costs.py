@@ -1,5 +1,6 @@
 """What an op policy leaves to recompute: the share of each block's forward cost in the ops a policy
-does not keep (plan/policy.py; docs/design.md §4, recompute cost).
+does not keep (plan/policy.py; docs/design.md §4, recompute cost); and what offloading a block moves
+(`saved_bytes`, plan/offload.py).
 
 One forward of the model under a `TorchDispatchMode` that sees every aten op after autograd, as the
 selective-checkpoint API does. Module hooks say which block an op runs in; each block call gets a
@@ -119,6 +120,33 @@ def recompute_shares(runner, batch_size: int, units: Sequence[str], policies: Se
         for u in units
         for p in policies
     }
+
+
+def saved_bytes(runner, batch_size: int, units: Sequence[str]) -> dict[str, int]:
+    """unit -> bytes of the tensors its forward saves for backward, parameters left out: what offloading
+    the unit (plan/offload.py) copies to host memory and back, each saved tensor on its own. One
+    forward, as a training step runs it, without backward."""
+    model: nn.Module = runner.model
+    inside: list[str] = []
+    moved = dict.fromkeys(units, 0)
+
+    def pack(t: torch.Tensor):
+        if inside and not (isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad)):
+            moved[inside[-1]] += t.numel() * t.element_size()  # each saved tensor is copied on its own
+        return t
+
+    handles = []
+    for u in units:
+        mod = model.get_submodule(u)
+        handles.append(mod.register_forward_pre_hook(lambda m, a, u=u: inside.append(u)))
+        handles.append(mod.register_forward_hook(lambda m, a, o: inside.pop() and None))  # None: the output stays
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            _forward(runner, batch_size)
+    finally:
+        for h in handles:
+            h.remove()
+    return moved
 
 
 def _signature(module: nn.Module) -> tuple:

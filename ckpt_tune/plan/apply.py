@@ -25,6 +25,7 @@ from torch import nn
 from ckpt_tune.errors import PlanError
 from ckpt_tune.plan.entry import Action, Entry, entries_of, member_names
 from ckpt_tune.plan.file import Plan, load_plan
+from ckpt_tune.plan.offload import OFFLOAD_FORWARD, is_offloaded, offload, restore
 from ckpt_tune.plan.policy import context_fn
 from ckpt_tune.plan.segment import (
     INNER_ATTR,
@@ -79,7 +80,7 @@ def _ckpt_forward(self: nn.Module, *args, **kwargs):
 
 def _is_wrapped(module: nn.Module) -> bool:
     own = module.__dict__.get("forward")
-    return getattr(own, "__name__", None) in (_WRAPPER_NAME, SEGMENT_FORWARD)
+    return getattr(own, "__name__", None) in (_WRAPPER_NAME, SEGMENT_FORWARD, OFFLOAD_FORWARD)
 
 
 def applied_names(model: nn.Module) -> tuple[str, ...]:
@@ -223,10 +224,11 @@ def _checkpoint(model: nn.Module, entry: Entry, blocks: list[nn.Module]) -> None
     if not entry.is_segment:
         module = blocks[0]
         if _is_wrapped(module):
-            if module.__dict__.get(_POLICY_ATTR) != entry.policy:
+            if is_offloaded(module) or module.__dict__.get(_POLICY_ATTR) != entry.policy:
+                policy = module.__dict__.get(_POLICY_ATTR)
+                what = "offloaded" if is_offloaded(module) else f"checkpointed under policy {policy}" if policy else "checkpointed whole"
                 raise PlanError(
-                    f"{entry.modules[0]} is already checkpointed "
-                    + (f"under policy {module.__dict__[_POLICY_ATTR]}" if module.__dict__.get(_POLICY_ATTR) else "whole"),
+                    f"{entry.modules[0]} is already {what}",
                     hint="call ckpt_tune.remove(model) first, or apply one plan only",
                 )
             return
@@ -248,8 +250,18 @@ def _checkpoint(model: nn.Module, entry: Entry, blocks: list[nn.Module]) -> None
     Segment(blocks, f"segment {entry.label}").wrap(root=model)
 
 
+def _offload(model: nn.Module, entry: Entry, blocks: list[nn.Module]) -> None:
+    """Action.OFFLOAD: what the module saves for backward kept in host memory (plan/offload.py)."""
+    if _is_wrapped(blocks[0]) and not is_offloaded(blocks[0]):
+        raise PlanError(
+            f"{entry.modules[0]} is already checkpointed: it cannot be offloaded too",
+            hint="call ckpt_tune.remove(model) first, or apply one plan only",
+        )
+    offload(blocks[0])
+
+
 # One wrapper per kind of entry (docs/design.md §7).
-_WRAPPERS = {Action.CHECKPOINT: _checkpoint, Action.SELECTIVE: _checkpoint}
+_WRAPPERS = {Action.CHECKPOINT: _checkpoint, Action.SELECTIVE: _checkpoint, Action.OFFLOAD: _offload}
 
 
 def _same_segment(blocks: list[nn.Module]) -> bool:
@@ -268,6 +280,9 @@ def remove(model: nn.Module) -> None:
             continue
         if SEGMENT_ATTR in module.__dict__:
             module.__dict__[SEGMENT_ATTR][0].unwrap()  # all its blocks, and its hook on the model
+            continue
+        if is_offloaded(module):
+            restore(module)
             continue
         inner = module.__dict__.pop(_INNER_ATTR, None)
         module.__dict__.pop(_POLICY_ATTR, None)

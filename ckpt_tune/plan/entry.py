@@ -2,9 +2,10 @@
 
 An entry acts on one module (`blocks.3`) or on a run of consecutive blocks (`blocks.2..blocks.4`, a
 segment), and its `action` says what happens there: `checkpoint` (non-reentrant activation
-checkpointing over the module, or over the whole run as one region) or `selective` (checkpointing one
+checkpointing over the module, or over the whole run as one region), `selective` (checkpointing one
 module under an op-level policy of plan/policy.py: the outputs of the ops the policy names are kept,
-the rest recomputed).
+the rest recomputed) or `offload` (the tensors one module saves for backward kept in host memory,
+plan/offload.py).
 
 Each action has one YAML form (`to_data`/`of`, written and read by plan/file.py), one wrapper
 (plan/apply.py; the patch snippet of plan/patch.py mirrors it) and its cost terms in the memory model
@@ -25,6 +26,8 @@ from ckpt_tune.errors import PlanError
 
 # the policies' names (plan/policy.py holds the rules; it imports torch, this module must not)
 POLICIES = ("matmuls", "half-matmuls", "attention")
+# the short form of an offload entry: `blocks.3@offload`
+OFFLOAD_MARK = "offload"
 
 
 class Action(str, Enum):
@@ -32,6 +35,7 @@ class Action(str, Enum):
 
     CHECKPOINT = "checkpoint"  # keep only the inputs; recompute the forward in backward (one region)
     SELECTIVE = "selective"  # checkpoint one module, but keep the outputs of the ops its policy names
+    OFFLOAD = "offload"  # keep what one module saves for backward in host memory; nothing recomputed
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,11 @@ class Entry:
                 f"a plan entry names one module or a run of modules, got {list(self.modules)!r}",
                 hint="write a module name, or a list of consecutive blocks' names",
             )
+        if self.action is Action.OFFLOAD and (self.policy is not None or len(self.modules) != 1):
+            raise PlanError(
+                f"an offload entry names one module and no policy, got {list(self.modules)!r}",
+                hint="write the entry as {module: NAME, action: offload}",
+            )
         if self.policy is not None or self.action is Action.SELECTIVE:
             if self.policy not in POLICIES:
                 raise PlanError(
@@ -73,15 +82,28 @@ class Entry:
         return cls((module,), Action.SELECTIVE, policy)
 
     @classmethod
+    def offload(cls, module: str) -> Entry:
+        return cls((module,), Action.OFFLOAD)
+
+    @classmethod
     def of(cls, value: Any) -> Entry:
         """An entry from its data form: a module name, a list/tuple of names (a segment), a mapping
         `{module: NAME, policy: POLICY}` or its short form `NAME@POLICY` (a module under an op
-        policy), or an Entry."""
+        policy), `{module: NAME, action: offload}` or `NAME@offload` (a module offloaded), or an Entry."""
         if isinstance(value, Entry):
             return value
         if isinstance(value, str):
             name, at, policy = value.rpartition("@")
+            if at and policy == OFFLOAD_MARK:
+                return cls.offload(name)
             return cls.selective(name, policy) if at and policy in POLICIES else cls((value,))
+        if isinstance(value, dict) and set(value) == {"module", "action"}:
+            if value["action"] != Action.OFFLOAD.value or not isinstance(value["module"], str):
+                raise PlanError(
+                    f"a plan entry with an action is {{module: NAME, action: offload}}, got {value!r}",
+                    hint="the only action written this way is offload",
+                )
+            return cls.offload(value["module"])
         if isinstance(value, dict):
             if set(value) != {"module", "policy"} or not all(isinstance(v, str) for v in value.values()):
                 raise PlanError(
@@ -108,14 +130,19 @@ class Entry:
 
     @property
     def label(self) -> str:
-        """`blocks.0`, `blocks.2..blocks.4` for a segment, `blocks.3@matmuls` under a policy."""
+        """`blocks.0`, `blocks.2..blocks.4` for a segment, `blocks.3@matmuls` under a policy,
+        `blocks.3@offload` offloaded."""
+        if self.action is Action.OFFLOAD:
+            return f"{self.modules[0]}@{OFFLOAD_MARK}"
         if self.policy is not None:
             return f"{self.modules[0]}@{self.policy}"
         return self.modules[0] if not self.is_segment else f"{self.modules[0]}..{self.modules[-1]}"
 
     def to_data(self) -> str | list[str] | dict[str, str]:
         """The entry as the plan file and JSON write it: a name, a list of names for a segment, or
-        `{module, policy}` for a module under an op policy."""
+        `{module, policy}` for a module under an op policy, `{module, action: offload}` offloaded."""
+        if self.action is Action.OFFLOAD:
+            return {"module": self.modules[0], "action": Action.OFFLOAD.value}
         if self.policy is not None:
             return {"module": self.modules[0], "policy": self.policy}
         return self.modules[0] if not self.is_segment else list(self.modules)
@@ -133,7 +160,7 @@ def member_names(entries: Iterable[Any]) -> list[str]:
 
 def plain(entries: Iterable[Any]) -> tuple[str | tuple[str, ...], ...]:
     """Entries as hashable data: a module name, a tuple of names for a segment, `name@policy` for a
-    module under an op policy (a baseline's settings, the result files of the benchmarks)."""
+    module under an op policy, `name@offload` (a baseline's settings, the result files of the benchmarks)."""
     return tuple(e.modules if e.is_segment else e.label for e in map(Entry.of, entries))
 
 

@@ -114,12 +114,17 @@ _SHARDING_COMMENT = {
 _ENTRY_COMMENT = {
     Action.CHECKPOINT: "one segment: one checkpoint over these blocks",
     Action.SELECTIVE: "checkpointed under an op policy",
+    Action.OFFLOAD: "saved tensors kept in host memory",
 }
 
 
 def entry_yaml(entry: Entry) -> str:
     """One item of the `checkpoint` list: `  - name`, a flow list for a run of blocks, or a flow
-    mapping `{module: name, policy: p}` for a module under an op policy."""
+    mapping `{module: name, policy: p}` for a module under an op policy, `{module: name, action: offload}`
+    for a module offloaded."""
+    if entry.action is Action.OFFLOAD:
+        item = f"  - {{module: {yamlio.flow_name(entry.modules[0])}, action: offload}}"
+        return f"{item.ljust(yamlio.COMMENT_COLUMN - 1)} # {_ENTRY_COMMENT[entry.action]}"
     if entry.action is Action.SELECTIVE:
         item = f"  - {{module: {yamlio.flow_name(entry.modules[0])}, policy: {entry.policy}}}"
         return f"{item.ljust(yamlio.COMMENT_COLUMN - 1)} # {_ENTRY_COMMENT[entry.action]}"
@@ -345,8 +350,8 @@ def _shard_units(value: Any, f: yamlio.Fields) -> tuple[ShardUnit, ...]:
 
 
 def _checkpoint_entries(value: Any, f: yamlio.Fields) -> tuple[Entry, ...]:
-    """The `checkpoint` list: module names, segments as lists of two or more names, and modules under
-    an op policy as `{module: name, policy: p}`."""
+    """The `checkpoint` list: module names, segments as lists of two or more names, modules under an op
+    policy as `{module: name, policy: p}` and modules offloaded as `{module: name, action: offload}`."""
     if value is None:
         return ()
     segment_ok = lambda e: isinstance(e, (list, tuple)) and len(e) >= 2 and all(isinstance(n, str) for n in e)  # noqa: E731

@@ -12,8 +12,8 @@ from __future__ import annotations
 import inspect
 import json
 
-from ckpt_tune.plan import policy, segment
-from ckpt_tune.plan.entry import Entry
+from ckpt_tune.plan import offload, policy, segment
+from ckpt_tune.plan.entry import Action, Entry
 from ckpt_tune.plan.file import Plan
 from ckpt_tune.plan.finetune import peft_code
 from ckpt_tune.plan.shard import ENGINES, MIXED
@@ -72,7 +72,7 @@ def {plain_name}(model):
         if getattr(getattr(m, "config", None), "use_cache", None) is True:
             m.config.use_cache = False
     for name in CKPT_MODULES:
-{policy_branch}{segment_branch}
+{offload_branch}{policy_branch}{segment_branch}
         module = model.get_submodule(name)
         own = module.__dict__.get("forward")
         if getattr(own, "__name__", None) == "_ckpt_forward":
@@ -86,6 +86,11 @@ def {plain_name}(model):
 _SNIPPET_SEGMENT_BRANCH = """        if not isinstance(name, str):  # a segment: these consecutive blocks under one checkpoint
             if getattr(model.get_submodule(name[0]).__dict__.get("forward"), "__name__", None) != SEGMENT_FORWARD:
                 checkpoint_segment(model, list(name))
+            continue
+"""
+
+_SNIPPET_OFFLOAD_BRANCH = """        if isinstance(name, dict) and name.get("action") == "offload":  # saved tensors kept in host memory
+            offload(model.get_submodule(name["module"]))
             continue
 """
 
@@ -233,6 +238,7 @@ def patch_snippet(plan: Plan, *, hf: bool = False) -> str:
     GradientCheckpointingLayer, and the plain wrapper otherwise.
     """
     per_step = plan.batch_size * plan.grad_accum_steps
+    offloads = any(e.action is Action.OFFLOAD for e in plan.checkpoint)
     budget = "" if plan.budget_bytes is None else f" of a {format_bytes(plan.budget_bytes)} budget"
     verified = (
         "not verified by running it"
@@ -249,7 +255,8 @@ def patch_snippet(plan: Plan, *, hf: bool = False) -> str:
         f"# Use micro-batch size {plan.batch_size} with {plan.grad_accum_steps} gradient-accumulation step(s)"
         f" ({per_step} samples per optimizer step).",
         f"# {peak}",
-        f"# Recompute adds about {plan.predicted_recompute_fraction:.1%} to the step time.",
+        f"# Recompute{' and host transfers (modelled)' * offloads} add{'s' * (not offloads)} about "
+        f"{plan.predicted_recompute_fraction:.1%} to the step time.",
         f"# Paste after building `model`, {paste}",
     ]
     if plan.peft is not None:  # the model the plan was measured on: the names below are the peft model's
@@ -260,10 +267,12 @@ def patch_snippet(plan: Plan, *, hf: bool = False) -> str:
     segments = any(e.is_segment for e in plan.checkpoint)
     policies = any(e.policy is not None for e in plan.checkpoint)
     # Hugging Face's per-layer switch cannot checkpoint several layers as one, nor under an op policy
-    hf = hf and not segments and not policies
+    hf = hf and not segments and not policies and not offloads
 
     def literal(e: Entry) -> str:  # json.dumps writes a valid Python string literal for any name
         names = [json.dumps(n) for n in e.modules]
+        if e.action is Action.OFFLOAD:
+            return f'{{"module": {names[0]}, "action": "offload"}}'
         if e.policy is not None:
             return f'{{"module": {names[0]}, "policy": {json.dumps(e.policy)}}}'
         return names[0] if not e.is_segment else "(" + ", ".join(names) + ")"
@@ -276,6 +285,7 @@ def patch_snippet(plan: Plan, *, hf: bool = False) -> str:
     body = _SNIPPET_WRAPPER.replace("{names}", names).replace(
         "{plain_name}", "_apply_plain" if hf else "apply_checkpointing"
     )
+    body = body.replace("{offload_branch}", _SNIPPET_OFFLOAD_BRANCH if offloads else "")
     body = body.replace("{policy_branch}", _SNIPPET_POLICY_BRANCH if policies else "")
     body = body.replace("{segment_branch}\n", _SNIPPET_SEGMENT_BRANCH if segments else "")
     body = body.replace("{policy_set}", _SNIPPET_POLICY_SET if policies else "")
@@ -283,6 +293,8 @@ def patch_snippet(plan: Plan, *, hf: bool = False) -> str:
         body = _module_source(policy, "Op-level policies (ckpt_tune/plan/policy.py, verbatim)") + body
     else:  # no policy in the plan: the wrapper's `context_fn` is never called
         body = body.replace('extra = {"context_fn": context_fn(policy)} if policy else {}', "extra = {}")
+    if offloads:
+        body = _module_source(offload, "Activation offload (ckpt_tune/plan/offload.py, verbatim)") + body
     if segments:
         body = _module_source(segment, "Segments: consecutive blocks under one checkpoint (ckpt_tune/plan/segment.py, verbatim)") + body
     if hf:

@@ -51,6 +51,10 @@ def policy_option(policy: str) -> str:
     return POLICY_MARK + policy
 
 
+# The option name of a block offloaded (plan/offload.py): its saved tensors kept in host memory.
+OFFLOAD_OPTION = "offload"
+
+
 def policy_of(option: str) -> str | None:
     """The op policy an option name stands for, or None (a sub-module option, "none", "block")."""
     return option[len(POLICY_MARK):] if option.startswith(POLICY_MARK) else None
@@ -59,7 +63,8 @@ def policy_of(option: str) -> str | None:
 def neighbour_like(options: tuple[str, ...], k: int) -> int:
     """The basic option (0 stored, 1 checkpointed) option k looks like to the blocks next to it: a
     sub-module option keeps the block's input and output as option 0 does; a policy option is a
-    checkpoint of the whole block (its input kept by the checkpoint, its own output not)."""
+    checkpoint of the whole block (its input kept by the checkpoint, its own output not); an offloaded
+    block makes its output as a stored one does."""
     if k < 2:
         return k
     return 1 if policy_of(options[k]) is not None else 0
@@ -117,6 +122,8 @@ def plan_entries(units, options, choice: tuple[int, ...], groups: dict[tuple[int
             out.append(Entry((u,)))
         elif c > 1 and (policy := policy_of(options[c])) is not None:
             out.append(Entry.selective(u, policy))
+        elif c > 1 and options[c] == OFFLOAD_OPTION:
+            out.append(Entry.offload(u))
         elif c > 1:
             out.extend(Entry((f"{u}.{sub}",)) for sub in options[c].split("+"))
     return tuple(out)

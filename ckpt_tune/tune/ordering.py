@@ -14,6 +14,7 @@ import os
 import torch
 
 from ckpt_tune.measure.forked import fork_map
+from ckpt_tune.measure.op_costs import saved_bytes
 from ckpt_tune.tune.candidates import (
     between,
     call_chain,
@@ -25,7 +26,7 @@ from ckpt_tune.tune.candidates import (
     repeated_inside,
     with_parameters,
 )
-from ckpt_tune.tune.memory_model import cut_run, policy_option
+from ckpt_tune.tune.memory_model import OFFLOAD_OPTION, cut_run, policy_option
 from ckpt_tune.tune.probing import ProbeSteps
 from ckpt_tune.tune.repeats import find_repeat
 
@@ -74,10 +75,23 @@ class Ordering(ProbeSteps):
         # modules run more than once inside a unit: checkpointed at each call (a shared layer's loop)
         subs += [o for o in dict.fromkeys(self._repeats.values()) if o not in subs]
         policies = self._refinement("op policies", "every block", lambda: self._useful_policies(batch_size), []) if "ops" in self.candidates else []
-        options = ("none", "block", *subs, *(policy_option(p) for p in policies))
+        offload = "offload" in self.candidates and self._refinement("offload", "every block", lambda: self._offload_bytes(batch_size), False)
+        options = ("none", "block", *subs, *(policy_option(p) for p in policies), *((OFFLOAD_OPTION,) if offload else ()))
         if self.options != options:  # a later search chose others (timed op policies): nothing measured holds
             self.forget_measured()
         self.options = options
+
+    def _offload_bytes(self, batch_size: int) -> bool:
+        """Each unit's saved bytes per sample, which offloading it moves to host memory and back
+        (op_costs.saved_bytes, one forward); True: offload is offered."""
+        if not self.offload_bytes:
+            saved = saved_bytes(self.runner, batch_size, self.units)
+            self.offload_bytes = {u: n / batch_size for u, n in saved.items()}
+            self.notes.append(
+                f"offload: a block's transfers to host memory and back are modelled at {self.host_link / 1e9:g} GB/s "
+                "(--host-link), the part its forward and backward do not hide added to the step time"
+            )
+        return True
 
     def _order_units(self, batch_size: int, why: str = "no repeated blocks") -> None:
         marked = (*self.units, *self.groups, *self._between)

@@ -20,13 +20,14 @@ import torch
 from torch import nn
 
 from ckpt_tune import vocab
-from ckpt_tune.errors import NoFitError
+from ckpt_tune.errors import CkptTuneError, NoFitError
 from ckpt_tune.measure.device import Budget, parse_budget, resolve_device
 from ckpt_tune.measure.fake import as_fake_mode_error
 from ckpt_tune.measure.loader import Target
 from ckpt_tune.measure.session import Settings, build_runner, fake_twin, load, user_errors
 from ckpt_tune.plan.file import FULLY_SHARDED, Plan
 from ckpt_tune.tune.candidates import find_blocks
+from ckpt_tune.tune.search_state import HOST_LINK
 from ckpt_tune.tune.searcher import Searcher, SearchResult
 from ckpt_tune.tune.sharding import check_shard
 
@@ -57,6 +58,7 @@ def search(
     segments: bool = True,
     candidates: frozenset[str] | None = None,
     fake_probes: bool = True,
+    host_link: float = HOST_LINK,
 ) -> SearchOutcome:
     """Largest batch (or the given one) that fits `vram`, with the cheapest verified checkpoint plan.
 
@@ -66,10 +68,18 @@ def search(
     `candidates`: the kinds of choice the planner may use (vocab.CANDIDATES; None: all).
     `fake_probes`: on a CPU or CUDA device, record the probes under fake tensors with that allocator's rules
     and run for real only steps within the budget: the user's step once, the step times and the
-    verification (docs/design.md §3); False: every step real."""
+    verification (docs/design.md §3); False: every step real. `host_link`: bytes/s the transfers of an
+    offloaded block are priced at (candidate kind "offload").
+
+    Raises CkptTuneError for offload on the CPU, where host and device are the same memory."""
     t0 = time.perf_counter()
     t = load(target, settings)
     device = resolve_device(settings.device)
+    if candidates is not None and "offload" in candidates and device == "cpu":
+        raise CkptTuneError(
+            "offload keeps saved tensors in host memory instead of the device's; on --device cpu they are the same memory",
+            "plan for a GPU with --device meta (or on it), or leave offload out of --candidates",
+        )
     # --device meta sizes a CUDA step: hold back the CUDA context and margin as on a GPU
     budget = parse_budget(vram, "cuda" if device == "meta" else device, margin)
     world_size, shard = check_shard(world_size, shard)
@@ -84,7 +94,7 @@ def search(
         def searcher_over(probe_runner, real=None) -> Searcher:
             return Searcher(
                 probe_runner, progress=progress, world_size=world_size, shard=shard, segments=segments,
-                candidates=candidates, real=real,
+                candidates=candidates, real=real, host_link=host_link,
             )
 
         searcher, res, why = None, None, None

@@ -28,11 +28,23 @@ from ckpt_tune.plan.entry import Entry
 from ckpt_tune.plan.file import FULLY_SHARDED
 from ckpt_tune.plan.segment import available as segment_available
 from ckpt_tune.tune.candidates import find_blocks, find_groups, has_sub_option, outside, with_parameters
-from ckpt_tune.tune.memory_model import RunCut, SegmentTerms, Terms, plan_entries, policy_of, price_out
+from ckpt_tune.tune.memory_model import (
+    OFFLOAD_OPTION,
+    RunCut,
+    SegmentTerms,
+    Terms,
+    plan_entries,
+    policy_of,
+    price_out,
+)
 from ckpt_tune.tune.repeats import Repeat
 from ckpt_tune.tune.search_result import FrontierRow, SearchResult
 from ckpt_tune.tune.sharding import check_shard
-from ckpt_tune.vocab import CANDIDATES
+from ckpt_tune.vocab import RECOMPUTE_CANDIDATES
+
+# The host link offload's transfers are priced at, bytes/s: PCIe 4.0 x16 as a training host sees it
+# (about 25 GB/s of its 32); `search --host-link` sets another (docs/design.md §4, offload).
+HOST_LINK = 25e9
 
 
 class SearchState:
@@ -48,6 +60,7 @@ class SearchState:
         segments: bool = False,
         candidates: frozenset[str] | None = None,
         real: StepRunner | None = None,
+        host_link: float = HOST_LINK,
     ):
         # `runner` records the probes; `real` (default: the same runner) runs the steps that must be real:
         # step times, the verification, the user's plain step (docs/design.md §4, the probe policy)
@@ -57,8 +70,12 @@ class SearchState:
         self.real_peaks: list[int] = []  # peaks of the real recorded steps, when probes are fake
         self.real_timed = 0  # real steps run to time the step (warm-up included), when probes are fake
         self._real_timing: Timing | None = None  # the one real timing the costs scale from, then
-        # the kinds of choice the planner may use (vocab.CANDIDATES); None: all
-        self.candidates = frozenset(CANDIDATES if candidates is None else candidates)
+        # the kinds of choice the planner may use (vocab.CANDIDATES); None: every recompute kind
+        self.candidates = frozenset(RECOMPUTE_CANDIDATES if candidates is None else candidates)
+        # offload (plan/offload.py): the host link its transfers are priced at (bytes/s), and each unit's
+        # saved bytes per sample (measured by the ordering step)
+        self.host_link = host_link
+        self.offload_bytes: dict[str, float] = {}
         # also consider runs of consecutive blocks under one checkpoint (segment.py), where torch can
         self.use_segments = segments and "segments" in self.candidates and segment_available()
         self.segment_keys: tuple[tuple[int, int], ...] = ()
@@ -178,7 +195,7 @@ class SearchState:
     def _has(self, i: int, option: int) -> bool:
         name = self.options[option]
         return (
-            policy_of(name) is not None or self._repeats.get(self.units[i]) == name
+            policy_of(name) is not None or name == OFFLOAD_OPTION or self._repeats.get(self.units[i]) == name
             or has_sub_option(self.runner.model, self.units[i], name)
         )
 

@@ -17,7 +17,7 @@ from ckpt_tune.measure.op_costs import policy_ratios, recompute_shares
 from ckpt_tune.measure.timing import Timing
 from ckpt_tune.plan.entry import POLICIES
 from ckpt_tune.tune.batch_search import largest
-from ckpt_tune.tune.memory_model import policy_of, policy_option, predict
+from ckpt_tune.tune.memory_model import OFFLOAD_OPTION, policy_of, policy_option, predict
 from ckpt_tune.tune.repeats import count_flops, extend_forward, shortened
 from ckpt_tune.tune.search_state import SearchState
 
@@ -29,6 +29,21 @@ WORTH_A_POLICY = 0.9
 # With probes under fake tensors, a step runs for real only where the recorded terms put its peak this
 # fraction under the budget (fake and real steps differ by tens of bytes; a margin for what they miss).
 REAL_ROOM = 0.02
+
+
+# What FLOPs stand for under fake tensors, where offload's transfers are priced against them: an
+# H100/H200's dense bf16 matmul throughput, FLOP/s (measure/op_costs.py prices memory-bound ops the same way).
+DEVICE_FLOPS = 990e12
+
+
+def exposed_transfer(nbytes: float, forward: float, host_link: float, unit: str) -> float:
+    """The time offloading a block adds to the step, in the timing's unit (ms, or GFLOP under fake
+    tensors): its saved bytes go to host memory while its forward runs and come back while its backward
+    (about twice the forward) runs, over a host link of `host_link` bytes/s; what the compute does not
+    hide is added. Modelled, not measured (docs/design.md §4)."""
+    seconds = nbytes / host_link
+    each_way = seconds * 1e3 if unit == "ms" else seconds * DEVICE_FLOPS / 1e9
+    return max(max(each_way - forward, 0.0) + max(each_way - 2 * forward, 0.0), 1e-6)
 
 
 class StepCosts(SearchState):
@@ -123,6 +138,8 @@ class StepCosts(SearchState):
         shares = self._recompute_shares(at, policies) if self.real.fake else self._ratios
 
         def cost(u: str, k: int) -> float:
+            if self.options[k] == OFFLOAD_OPTION:  # the transfers its forward and backward do not hide
+                return exposed_transfer(self.offload_bytes.get(u, 0.0) * batch_size, scale * t.forward_ms.get(u, 0.0), self.host_link, t.unit)
             policy = policy_of(self.options[k])
             if policy is not None:  # the block's forward, less the ops the policy keeps
                 return scale * max(t.forward_ms.get(u, 0.0) * shares[(u, policy)], 1e-6)
