@@ -22,10 +22,12 @@ comment may span lines.
 A VALUE is a path into a source, optionally prefixed `FILE.json:` (the basename of one of the block's
 sources; without it, the block's first source), or, after `bind BASE:`, relative to BASE. A path is keys
 separated by dots (`summary.exact`), `["any key"]` for keys that are not plain names, `[i]` for the i-th
-element of a list, and `[field=value]` (or `[field="value"]`) for the one element of a list whose field
-equals the value; no match or several matches fail, as does a path that does not resolve. A VALUE may
-be `-PATH`, or `PATH / PATH` (also `-`, `+`, `*`, spaces around the operator) for a figure the document
-derives from two values; a fraction figure `a/b` binds `PATH / PATH` and each side must equal its count.
+element of a list, and `[field=value]` (or `[field="value"]`, or several: `[model=gru_lm, plan="random 1"]`)
+for the one element of a list whose fields equal the values; no match or several matches fail, as does
+a path that does not resolve. A VALUE may
+be `-PATH` (a magnitude the prose gives unsigned), or, for a figure the document derives, arithmetic on
+paths: `+ - * /` with a space each side, and parentheses (`(a - b) / b`); there are no number literals.
+A fraction figure `a/b` binds `PATH / PATH`, and each side must equal its count.
 
 The comparison is strict: the bound value, converted to the figure's unit, rounded as the figure is
 displayed, must equal the figure. A displayed `5.3 s` needs a value in [5.25, 5.35) seconds (for a
@@ -116,7 +118,7 @@ _STEP = re.compile(
       \.\s*(?P<key>[A-Za-z_][\w\-]*)
     | \[\s*(?P<index>-?\d+)\s*\]
     | \[\s*"(?P<qkey>(?:[^"\\]|\\.)*)"\s*\]
-    | \[\s*(?P<field>[A-Za-z_][\w\-]*)\s*=\s*(?:"(?P<qval>(?:[^"\\]|\\.)*)"|(?P<val>[^\]"]*?))\s*\]
+    | \[(?P<select>\s*[A-Za-z_][\w\-]*\s*=(?:"(?:[^"\\]|\\.)*"|[^\]"])*)\]
     )""",
     re.X,
 )
@@ -163,11 +165,16 @@ def resolve(data, path: str):
                 raise BindError(f"{where!r} does not resolve (no element {i})")
             node = node[i]
         else:
-            field = groups["field"]
-            wanted = _unquote(groups["qval"]) if groups["qval"] is not None else groups["val"]
+            conditions = []
+            for cond in _split(groups["select"], ","):
+                field, eq, value = (x.strip() for x in cond.partition("="))
+                if not re.fullmatch(r"[A-Za-z_][\w\-]*", field) or not eq:
+                    raise BindError(f"{where!r}: cannot read the selector {cond.strip()!r}")
+                quoted = re.fullmatch(r'"((?:[^"\\]|\\.)*)"', value)
+                conditions.append((field, _unquote(quoted.group(1)) if quoted else value))
             if not isinstance(node, list):
                 raise BindError(f"{where!r} selects in something that is not a list")
-            hits = [e for e in node if isinstance(e, dict) and field in e and _equal(e[field], wanted)]
+            hits = [e for e in node if isinstance(e, dict) and all(f in e and _equal(e[f], v) for f, v in conditions)]
             if len(hits) != 1:
                 raise BindError(f"{where!r} matches {len(hits)} elements, not one")
             node = hits[0]
@@ -208,41 +215,130 @@ _FILE = re.compile(r"\s*([\w\-]+\.json)\s*:")
 
 @dataclass
 class Ref:
-    source: str | None  # a source's basename, None: the default one
+    source: str | None  # a source's basename, None: the block's first
     path: str
-    negate: bool = False
 
 
 def parse_ref(text: str, base: Ref | None) -> Ref:
     text = text.strip()
-    negate = text.startswith("-")
-    if negate:
-        text = text[1:].strip()
     m = _FILE.match(text)
     if m:
-        return Ref(m.group(1), text[m.end():].strip(), negate)
+        return Ref(m.group(1), text[m.end():].strip())
     if base is None:
-        return Ref(None, text, negate)
-    joiner = "" if text.startswith("[") else "."
-    return Ref(base.source, base.path + joiner + text, negate)
+        return Ref(None, text)
+    return Ref(base.source, base.path + ("" if text.startswith("[") else ".") + text)
 
 
-_OP = re.compile(r"\s([/*+\-])\s")
+def _tokens(text: str) -> list[str]:
+    """A VALUE's tokens: `(`, `)`, operators (binary ones need a space each side, `-` before an operand
+    is a negation) and paths (whatever lies between, brackets and quotes kept whole)."""
+    out, cur, depth, quoted, i = [], "", 0, False, 0
+
+    def flush():
+        nonlocal cur
+        if cur.strip():
+            out.append(cur.strip())
+        cur = ""
+
+    while i < len(text):
+        c = text[i]
+        if quoted or depth:
+            cur += c
+            if quoted and c == "\\" and i + 1 < len(text):
+                cur += text[i + 1]
+                i += 1
+            elif c == '"':
+                quoted = not quoted
+            elif not quoted and c in "[]":
+                depth += 1 if c == "[" else -1
+        elif c == '"':
+            quoted = True
+            cur += c
+        elif c == "[":
+            depth += 1
+            cur += c
+        elif c in "()":
+            flush()
+            out.append(c)
+        elif c.isspace() and re.match(r"\s+[/*+\-]\s", text[i:]):
+            flush()
+            m = re.match(r"\s+([/*+\-])", text[i:])
+            out.append(" " + m.group(1) + " ")
+            i += m.end() - 1
+        elif c == "-" and not cur.strip():
+            out.append("-")
+        else:
+            cur += c
+        i += 1
+    flush()
+    return out
 
 
-def parse_value(text: str, base: Ref | None) -> tuple[list[Ref], str | None, str | None]:
-    """(operands, operator or None, source unit or None) of a VALUE."""
+def parse_value(text: str, base: Ref | None):
+    """(tree, source unit or None) of a VALUE: a tree of ("ref", Ref), ("neg", x), (op, x, y)."""
     unit = None
     m = re.search(r"\s+in\s+(%|ms|s|B|KiB|MiB|GiB|x)\s*$", text)
     if m:
         unit, text = m.group(1), text[: m.start()]
-    for op in "/*+-":
-        parts = _split(text, f" {op} ")
-        if len(parts) == 2:
-            return [parse_ref(parts[0], base), parse_ref(parts[1], base)], op, unit
-        if len(parts) > 2:
-            raise BindError(f"{text!r}: one operator at most")
-    return [parse_ref(text, base)], None, unit
+    toks, pos = _tokens(text), 0
+
+    def peek():
+        return toks[pos] if pos < len(toks) else None
+
+    def take():
+        nonlocal pos
+        pos += 1
+        return toks[pos - 1]
+
+    def expr():
+        node = term()
+        while peek() in (" + ", " - "):
+            node = (take().strip(), node, term())
+        return node
+
+    def term():
+        node = factor()
+        while peek() in (" * ", " / "):
+            node = (take().strip(), node, factor())
+        return node
+
+    def factor():
+        t = peek()
+        if t is None or t == ")" or t.startswith(" "):
+            raise BindError(f"cannot read the value {text.strip()!r}")
+        take()
+        if t == "-":
+            return ("neg", factor())
+        if t == "(":
+            node = expr()
+            if peek() != ")":
+                raise BindError(f"an unclosed parenthesis in {text.strip()!r}")
+            take()
+            return node
+        return ("ref", parse_ref(t, base))
+
+    tree = expr()
+    if pos != len(toks):
+        raise BindError(f"cannot read the value {text.strip()!r} at {' '.join(toks[pos:])!r}")
+    return tree, unit
+
+
+def evaluate(tree, lookup) -> Decimal:
+    """The tree's value, exact (a float's Decimal is its binary value); lookup(Ref) gives a path's."""
+    kind = tree[0]
+    if kind == "ref":
+        v = lookup(tree[1])
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise BindError(f"{tree[1].path!r} is {v!r}, not a number")
+        return Decimal(v)
+    if kind == "neg":
+        return -evaluate(tree[1], lookup)
+    a, b = evaluate(tree[1], lookup), evaluate(tree[2], lookup)
+    if kind == "/":
+        if b == 0:
+            raise BindError("a division by zero")
+        return a / b
+    return {"*": a * b, "+": a + b, "-": a - b}[kind]
 
 
 # --- figures ---------------------------------------------------------------------------------------
@@ -250,31 +346,19 @@ def parse_value(text: str, base: Ref | None) -> tuple[list[Ref], str | None, str
 _NUMBER = re.compile(r"([+\-]?)(\d+(?:\.\d+)?)\s?(%|x|ms|s|MiB|GiB|KiB|B)?$")
 
 
-def agreement(fig: str, values: list, op: str | None, unit: str | None) -> str | None:
-    """None if the figure is the bound value as displayed, else why not."""
-    n = normalise(fig)
-    frac = re.fullmatch(r"(\d+)/(\d+)", n)
-    if frac:
-        if op != "/":
-            return "is a fraction: bind it to `PATH / PATH`"
-        for side, v in zip(frac.groups(), values):
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or Decimal(side) != Decimal(str(v)):
-                return f"is not {values[0]}/{values[1]}"
-        return None
-    for v in values:
-        if not isinstance(v, (int, float)) or isinstance(v, bool):
-            return f"is bound to {v!r}, not a number"
+def agreement(fig: str, tree, lookup, unit: str | None) -> str | None:
+    """None if the figure is the bound value as displayed, else why not (BindError: no value)."""
     with localcontext() as ctx:
         ctx.prec = 60
-        a = [Decimal(v) for v in values]  # exact: a float's Decimal is its binary value
-        if op is None:
-            value = a[0]
-        elif op == "/":
-            if a[1] == 0:
-                return "is bound to a division by zero"
-            value = a[0] / a[1]
-        else:
-            value = {"*": a[0] * a[1], "+": a[0] + a[1], "-": a[0] - a[1]}[op]
+        frac = re.fullmatch(r"(\d+)/(\d+)", normalise(fig))
+        if frac:
+            if tree[0] != "/":
+                return "is a fraction: bind it to `PATH / PATH`"
+            a, b = evaluate(tree[1], lookup), evaluate(tree[2], lookup)
+            if (Decimal(frac.group(1)), Decimal(frac.group(2))) != (a, b):
+                return f"is not {a.normalize():f}/{b.normalize():f}"
+            return None
+        value = evaluate(tree, lookup)
         m = _NUMBER.match(fig.replace("−", "-").replace(",", "").strip())
         if not m:
             return "is not a figure the checker can read"
@@ -371,27 +455,22 @@ def check(doc: str, text: str, section: str | None, read=committed) -> list[Find
                 findings.append(Finding(doc, fig_no, fig, f"is where the binding names {fig_text!r}"))
                 continue
             try:
-                refs, op, unit = parse_value(value_text, base)
-                values = []
-                for r in refs:
-                    name = r.source or PurePosixPath(sources[0]).name
-                    full = next((s for s in sources if PurePosixPath(s).name == name), None)
-                    if full is None:
-                        raise BindError(f"{name} is not a source of this block")
-                    if data.get(full) is None:
-                        raise BindError(f"{full} is not a committed JSON file")
-                    v = resolve(data[full], r.path)
-                    if r.negate:
-                        if not isinstance(v, (int, float)) or isinstance(v, bool):
-                            raise BindError(f"{r.path!r} is not a number to negate")
-                        v = -v
-                    values.append(v)
+                tree, unit = parse_value(value_text, base)
+                why = agreement(fig, tree, lookup, unit)
             except BindError as e:
                 findings.append(Finding(doc, fig_no, fig, f"is bound to {value_text!r}: {e}"))
                 continue
-            why = agreement(fig, values, op, unit)
             if why:
                 findings.append(Finding(doc, fig_no, fig, f"{why} ({value_text})"))
+
+    def lookup(ref: Ref):
+        name = ref.source or PurePosixPath(sources[0]).name
+        full = next((s for s in sources if PurePosixPath(s).name == name), None)
+        if full is None:
+            raise BindError(f"{name} is not a source of this block")
+        if data.get(full) is None:
+            raise BindError(f"{full} is not a committed JSON file")
+        return resolve(data[full], ref.path)
 
     for no, line in _logical_lines(text):
         if line.startswith("#"):
@@ -475,12 +554,12 @@ def test_checker_accepts_figures_bound_to_their_values():
     doc = (
         "<!-- figures: r.json -->\n"
         "ckpt-tune respected 16/16 budgets; none 0/16, over by up to +55.8% (0.91% error), 5.3 s, 5.35 s,\n"
-        "1.0 KiB, 1,024 B and −16,384 B, 16,384 B low, 1.51x, 794 MiB.\n"
+        "1.0 KiB, 1,024 B and −16,384 B, 16,384 B low, 1.51x, 794 MiB, 1.06x.\n"
         "<!-- bind rows[method=ckpt-tune]: 16/16 = fits / cases; 0/16 = r.json: rows[0].fits / r.json: rows[0].cases -->\n"
         "<!-- bind: +55.8% = rows[method=none].overshoot; 0.91% = summary[\"out of sample, all\"].max_abs;\n"
-        "  5.3 s = rows[0].time_s; 5.35 s = rows[1].time_s; 1.0 KiB = rows[1].bytes; 1,024 B = r.json: rows[1].bytes;\n"
+        "  5.3 s = rows[0].time_s; 5.35 s = rows[1].time_s; 1.0 KiB = rows[1].bytes; 1,024 B = r.json: rows[method=\"ckpt-tune\", cases=16].bytes;\n"
         "  −16,384 B = rows[0].bytes; 16,384 B = -rows[0].bytes; 1.51x = summary[\"out of sample, all\"].ratio;\n"
-        "  794 MiB = rss_mib in MiB -->\n"
+        "  794 MiB = rss_mib in MiB; 1.06x = (rows[1].bytes - r.json: rows[0].bytes) / (rows[1].cases * rows[1].bytes) -->\n"
     )
     assert _found(doc) == []
 
@@ -505,6 +584,7 @@ def test_checker_rejects_paths_that_do_not_resolve_or_match_several():
     for path, why in [
         ("rows[method=twin].fits", "matches 2 elements, not one"),
         ("rows[method=nobody].fits", "matches 0 elements, not one"),
+        ("rows[method=twin, fits=3].cases", "matches 0 elements, not one"),
         ("rows[7].fits", "no element 7"),
         ("summary.max_abs", "no key 'max_abs'"),
         ("other.json: rows[0].fits", "other.json is not a source"),
