@@ -71,7 +71,7 @@ BIND = re.compile(r"<!--\s*bind\b(.*?)-->", re.S)
 COMMENT = re.compile(r"<!--.*?-->", re.S)
 UNIT = r"(?:%|x\b|\s?(?:ms|s|MiB|GiB|KiB)\b|\sB\b)"  # bytes need the space: `7B` is a model size
 FIGURE = re.compile(
-    r"(?<![\w.\-/])"
+    r"(?:(?<![\w.\-/])|(?<=\d[-–]))"  # after a range's dash too: `9.5-13.8 s`
     r"(?:[+\-−]?\d[\d,]*(?:\.\d+)?" + UNIT +  # 1.01%, 13.6 s, 156.3 MiB, 1.51x, +128 B
     r"|\d+/\d+(?![\d/])"  # 16/16
     r"|[+\-−]?\d+\.\d+(?![\d.]))"  # a bare decimal
