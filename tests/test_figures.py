@@ -15,7 +15,8 @@ or right after the figure):
 
 A bind comment binds, in order, the figures of the block's text since the previous bind comment (or
 the block's start): one entry `FIGURE = VALUE` each, separated by `;`, where FIGURE repeats the figure
-as written (the check that each entry sits on the figure it names). Figures left unbound at the block's
+as written (the check that each entry sits on the figure it names; at the first that does not, the rest
+of that comment is skipped). Figures left unbound at the block's
 end fail, each with its line; so does an entry with no figure before it, or naming another figure. A
 comment may span lines.
 
@@ -450,10 +451,11 @@ def check(doc: str, text: str, section: str | None, read=committed) -> list[Find
             if not pending:
                 findings.append(Finding(doc, no, fig_text, "is bound but no figure before it is left to bind"))
                 continue
-            fig_no, fig = pending.pop(0)
+            fig_no, fig = pending[0]
             if normalise(fig) != normalise(fig_text):
-                findings.append(Finding(doc, fig_no, fig, f"is where the binding names {fig_text!r}"))
-                continue
+                findings.append(Finding(doc, fig_no, fig, f"is where the binding names {fig_text!r} (the rest of it skipped)"))
+                return
+            pending.pop(0)
             try:
                 tree, unit = parse_value(value_text, base)
                 why = agreement(fig, tree, lookup, unit)
@@ -577,7 +579,9 @@ def test_checker_rejects_unbound_figures():
     # an entry naming another figure than the one it stands on, and an entry with nothing to bind
     doc = "<!-- figures: r.json -->\n5.3 s<!-- bind: 5.4 s = rows[0].time_s; 1.51x = summary[\"out of sample, all\"].ratio -->"
     found = check("d", doc, None, read=SRC.get)
-    assert [(f.figure, f.why[:20]) for f in found] == [("5.3 s", "is where the binding"), ("1.51x", "is bound but no figu")]
+    assert [(f.figure, f.why[:20]) for f in found] == [("5.3 s", "is where the binding"), ("5.3 s", "is not bound to a va")]
+    doc = "<!-- figures: r.json -->\n5.3 s<!-- bind: 5.3 s = rows[0].time_s; 1.51x = summary[\"out of sample, all\"].ratio -->"
+    assert [(f.figure, f.why[:20]) for f in check("d", doc, None, read=SRC.get)] == [("1.51x", "is bound but no figu")]
 
 
 def test_checker_rejects_paths_that_do_not_resolve_or_match_several():
