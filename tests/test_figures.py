@@ -1,44 +1,48 @@
 """Every figure the READMEs quote is bound to a value of a committed result file, and agrees with it.
 
 Convention. A figure block opens with an HTML comment naming its sources, JSON result files in the
-repository (each benchmark writes a `.json`, the data, beside its `.md` table):
+repository (each benchmark writes a `.json`, its data, beside its `.md` table):
 
-    <!-- figures: benchmarks/results/accuracy.json, benchmarks/results/zoo.json -->
+    <!-- figures: benchmarks/results/plan_quality.json, benchmarks/results/zoo.json -->
 
 and runs to the next such comment, a `<!-- /figures -->`, or the next heading. Inside a block every
-figure (a number with `%`, `x`, a time or byte unit; a decimal; a fraction such as `16/16`) is bound to a
-value by a `bind` comment after it, anywhere in the block (after a table, at the end of a paragraph,
-or right after the figure):
+figure (a number with `%`, `x`, a time or byte unit; a decimal; a fraction such as `16/16`) is bound to
+a value by a `bind` comment after it in the block: after a table, at the end of a paragraph, or right
+after the figure. A bind comment binds, in order, the figures of the block's text since the previous
+bind comment (or the block's start), one entry `FIGURE = VALUE` each, separated by `;`; it may span
+lines:
 
-    <!-- bind: 0.91% = summary["out of sample, all"].max_abs; 16/16 = summary.ckpt.respected / summary.ckpt.cases -->
-    <!-- bind models[model="examples/gpt.py:build"].budgets[vram=160MiB]: 18 = search_batch; 5.3 s = search_s -->
+    <!-- bind: 16/16 = summary.ckpt-tune.respected / summary.ckpt-tune.cases;
+      +55.8% = summary["no checkpointing"].worst_overshoot -->
+    <!-- bind models[model=examples/gpt.py:build].budgets[vram=160MiB]:
+      160 MiB = budget_bytes; 5.3 s = rows[finder="ckpt-tune search"].wall_s -->
 
-A bind comment binds, in order, the figures of the block's text since the previous bind comment (or
-the block's start): one entry `FIGURE = VALUE` each, separated by `;`, where FIGURE repeats the figure
-as written (the check that each entry sits on the figure it names; at the first that does not, the rest
-of that comment is skipped). Figures left unbound at the block's
-end fail, each with its line; so does an entry with no figure before it, or naming another figure. A
-comment may span lines.
+FIGURE repeats the figure as written: an entry that names another figure than the next one to bind
+fails, and the rest of its comment is skipped. A figure left unbound at the block's end fails with its
+line, as does an entry with no figure left before it to bind.
 
-A VALUE is a path into a source, optionally prefixed `FILE.json:` (the basename of one of the block's
-sources; without it, the block's first source), or, after `bind BASE:`, relative to BASE. A path is keys
-separated by dots (`summary.exact`), `["any key"]` for keys that are not plain names, `[i]` for the i-th
-element of a list, and `[field=value]` (or `[field="value"]`, or several: `[model=gru_lm, plan="random 1"]`)
-for the one element of a list whose fields equal the values; no match or several matches fail, as does
-a path that does not resolve. A VALUE may
-be `-PATH` (a magnitude the prose gives unsigned), or, for a figure the document derives, arithmetic on
-paths: `+ - * /` with a space each side, and parentheses (`(a - b) / b`); there are no number literals.
-A fraction figure `a/b` binds `PATH / PATH`, and each side must equal its count.
+A VALUE is a path into a source, prefixed `FILE.json:` (the basename of one of the block's sources) or
+not (the block's first source); after `bind BASE:` a path without a file is relative to BASE (itself a
+path, or `FILE.json:` and a path). A path is keys separated by dots (`summary.exact`; a plain key is
+letters, digits, `_` and `-`), `["any key"]` for the others, `[i]` for the i-th element of a list, and
+`[field=value]` (or `[field="value"]`, or several: `[model=gru_lm, plan="random 1"]`) for the one
+element of a list whose fields equal the values; no match or several matches fail, as does a path that
+does not resolve. A VALUE may be `-PATH` (a negative value the prose gives as a magnitude), or, for a
+figure the document derives, arithmetic on paths: `+ - * /` with a space each side, and parentheses
+(`(meta - harness) / harness`); there are no number literals. A fraction figure `a/b` binds
+`PATH / PATH`, and each side must equal its count.
 
-The comparison is strict: the bound value, converted to the figure's unit, rounded as the figure is
-displayed, must equal the figure. A displayed `5.3 s` needs a value in [5.25, 5.35) seconds (for a
-negative figure, the mirror interval), the sign shown or not: an unsigned figure must not be bound to a
-negative value (bind `-PATH` where the prose gives a magnitude). The value's unit is, by default, bytes
-for `B`/`KiB`/`MiB`/`GiB` (steps of 1024), seconds for `s`/`ms`, a fraction for `%` (0.0091 shows as
-`0.91%`), and a plain number for `x` and bare decimals; `VALUE in UNIT` says the value is in another
-unit (`max_rss_mib in MiB`, `error_pct in %`). Figures are `−` or `-` signed, thousands separators
-allowed. Plain integers ("batch 18", "16 members") are not figures: too many are counts of the prose's
-own. Code (fenced or indented blocks, `inline code`) and comments are not figures.
+The comparison is strict: the bound value, converted to the figure's unit and rounded as the figure is
+shown, must be the figure. A shown `5.3 s` needs a value in [5.25, 5.35) seconds, a shown `-0.033%` one
+in (-0.0335%, -0.0325%]; an unsigned or `+` figure needs a positive value (0 for a figure of zero may
+come from either side). The value's unit is, by default, bytes for `B`/`KiB`/`MiB`/`GiB` (steps of
+1024), seconds for `s`/`ms`, a fraction for `%` (0.0091 shows as `0.91%`), and a plain number for `x`
+and bare decimals; `VALUE in UNIT` says the value is in another (`peak_rss_mib in MiB`, `error_pct in
+%`). Figures are signed with `-`, `−` or `+`, thousands separators allowed. Plain integers ("batch 18",
+"16 members") are not figures: too many are counts of the prose's own. Code (fenced or indented
+blocks, `inline code`) and comments are not figures. A figure no result JSON holds (an older run's, a
+figure only the `.md` computes, a number inside a message) does not belong in a block: say it in words
+or leave it out.
 
 Sources are read as committed at HEAD (`git show HEAD:<path>`), and each records its provenance.
 
@@ -102,13 +106,6 @@ def normalise(token: str) -> str:
     t = token.replace("−", "-").replace(",", "")
     t = re.sub(r"\s+", "", t)
     return t.lstrip("+")
-
-
-def figures(text: str) -> list[str]:
-    """The figure tokens of a line of prose (code spans and comments removed)."""
-    text = re.sub(r"`[^`]*`", " ", text)
-    text = COMMENT.sub(" ", text)
-    return [m.group(0) for m in FIGURE.finditer(text)]
 
 
 # --- paths ------------------------------------------------------------------------------------------
@@ -227,6 +224,8 @@ def parse_ref(text: str, base: Ref | None) -> Ref:
         return Ref(m.group(1), text[m.end():].strip())
     if base is None:
         return Ref(None, text)
+    if not base.path:
+        return Ref(base.source, text)
     return Ref(base.source, base.path + ("" if text.startswith("[") else ".") + text)
 
 
@@ -437,11 +436,14 @@ def check(doc: str, text: str, section: str | None, read=committed) -> list[Find
             m = _FILE.match(head_text)
             rest = head_text[m.end():] if m else head_text
             parts = _split(rest, ":", 1)
-            if len(parts) != 2:
+            if len(parts) == 2 and len(_split(parts[0], "=")) == 1:
+                base = parse_ref((m.group(0) if m else "") + parts[0], None)
+                entries = parts[1]
+            elif m:  # `bind FILE.json: entries`: paths from that file's root
+                base, entries = Ref(m.group(1), ""), rest
+            else:
                 findings.append(Finding(doc, no, head_text[:40], "is a binding without `:`"))
                 return
-            base = parse_ref((m.group(0) if m else "") + parts[0], None)
-            entries = parts[1]
         for entry in (e for e in _split(entries, ";") if e.strip()):
             parts = _split(entry, "=", 1)
             if len(parts) != 2:
@@ -544,7 +546,8 @@ SRC = {
             "summary": {"out of sample, all": {"max_abs": 0.009104739923197809, "ratio": 1.5079}},
             "rss_mib": 794.2,
         }
-    )
+    ),
+    "o.json": json.dumps({"rows": [{"overshoot": 0.5}]}),
 }
 
 
@@ -564,6 +567,7 @@ def test_checker_accepts_figures_bound_to_their_values():
         "  794 MiB = rss_mib in MiB; 1.06x = (rows[1].bytes - r.json: rows[0].bytes) / (rows[1].cases * rows[1].bytes) -->\n"
     )
     assert _found(doc) == []
+    assert _found("<!-- figures: o.json, r.json -->\n+55.8%, 16/16<!-- bind r.json: +55.8% = rows[0].overshoot;\n 16/16 = rows[1].fits / rows[1].cases -->") == []
 
 
 def test_checker_rejects_a_figure_bound_to_another_row():
