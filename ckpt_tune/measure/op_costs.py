@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ckpt_tune.measure import quantized
+from ckpt_tune.plan import offload
 from ckpt_tune.plan.apply import cache_off
 from ckpt_tune.plan.policy import OpRule
 
@@ -103,18 +104,9 @@ def recompute_shares(runner, batch_size: int, units: Sequence[str], policies: Se
     fake = runner.fake
     quantized.register_flops()
     clock = _OpClock(policies, roofline=fake)
-    model: nn.Module = runner.model
-    handles = []
-    for u in units:
-        mod = model.get_submodule(u)
-        handles.append(mod.register_forward_pre_hook(lambda m, a, u=u: clock.enter(u)))
-        handles.append(mod.register_forward_hook(lambda m, a, o: clock.leave()))
-    try:
+    with _each_unit(runner.model, units, clock.enter, clock.leave):
         for _ in range(1 if fake else repeats):
             _forward(runner, batch_size, clock)
-    finally:
-        for h in handles:
-            h.remove()
     return {
         (u, p): (clock.recomputed[(u, p)] / clock.total[u]) if clock.total[u] > 0 else 1.0
         for u in units
@@ -126,27 +118,33 @@ def saved_bytes(runner, batch_size: int, units: Sequence[str]) -> dict[str, int]
     """unit -> bytes of the tensors its forward saves for backward, parameters left out: what offloading
     the unit (plan/offload.py) copies to host memory and back, each saved tensor on its own. One
     forward, as a training step runs it, without backward."""
-    model: nn.Module = runner.model
     inside: list[str] = []
     moved = dict.fromkeys(units, 0)
 
     def pack(t: torch.Tensor):
-        if inside and not (isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad)):
+        if inside and offload.moves(t):
             moved[inside[-1]] += t.numel() * t.element_size()  # each saved tensor is copied on its own
         return t
 
+    with _each_unit(runner.model, units, inside.append, inside.pop), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _forward(runner, batch_size)
+    return moved
+
+
+@contextlib.contextmanager
+def _each_unit(model: nn.Module, units: Sequence[str], enter, leave):
+    """`enter(unit)` as each unit's forward starts and `leave()` as it ends (their results are
+    dropped: the module's output stays as it is)."""
     handles = []
     for u in units:
         mod = model.get_submodule(u)
-        handles.append(mod.register_forward_pre_hook(lambda m, a, u=u: inside.append(u)))
-        handles.append(mod.register_forward_hook(lambda m, a, o: inside.pop() and None))  # None: the output stays
+        handles.append(mod.register_forward_pre_hook(lambda m, a, u=u: enter(u) and None))
+        handles.append(mod.register_forward_hook(lambda m, a, o: leave() and None))
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            _forward(runner, batch_size)
+        yield
     finally:
         for h in handles:
             h.remove()
-    return moved
 
 
 def _signature(module: nn.Module) -> tuple:

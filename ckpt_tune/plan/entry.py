@@ -26,8 +26,6 @@ from ckpt_tune.errors import PlanError
 
 # the policies' names (plan/policy.py holds the rules; it imports torch, this module must not)
 POLICIES = ("matmuls", "half-matmuls", "attention")
-# the short form of an offload entry: `blocks.3@offload`
-OFFLOAD_MARK = "offload"
 
 
 class Action(str, Enum):
@@ -94,7 +92,7 @@ class Entry:
             return value
         if isinstance(value, str):
             name, at, policy = value.rpartition("@")
-            if at and policy == OFFLOAD_MARK:
+            if at and policy == Action.OFFLOAD.value:
                 return cls.offload(name)
             return cls.selective(name, policy) if at and policy in POLICIES else cls((value,))
         if isinstance(value, dict) and set(value) == {"module", "action"}:
@@ -133,7 +131,7 @@ class Entry:
         """`blocks.0`, `blocks.2..blocks.4` for a segment, `blocks.3@matmuls` under a policy,
         `blocks.3@offload` offloaded."""
         if self.action is Action.OFFLOAD:
-            return f"{self.modules[0]}@{OFFLOAD_MARK}"
+            return f"{self.modules[0]}@{Action.OFFLOAD.value}"
         if self.policy is not None:
             return f"{self.modules[0]}@{self.policy}"
         return self.modules[0] if not self.is_segment else f"{self.modules[0]}..{self.modules[-1]}"

@@ -27,8 +27,13 @@ OFFLOAD_INNER_ATTR = "_offload_inner_forward"  # a forward the instance had befo
 HOST_ALLOCATIONS = None
 
 
+def moves(tensor) -> bool:
+    """Whether offloading copies this saved tensor: parameters (trainable leaves) stay where they are."""
+    return not (isinstance(tensor, torch.nn.Parameter) or (tensor.is_leaf and tensor.requires_grad))
+
+
 def _pack(tensor):
-    if isinstance(tensor, torch.nn.Parameter) or (tensor.is_leaf and tensor.requires_grad):
+    if not moves(tensor):
         return None, tensor
     if tensor.device.type == "cpu":
         if HOST_ALLOCATIONS is None:

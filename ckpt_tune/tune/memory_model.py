@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ckpt_tune.plan.entry import Entry
+from ckpt_tune.plan.entry import Action, Entry
 
 # Options of a block: 0 = stored normally, 1 = the whole block checkpointed, 2.. = finer options
 # (Terms.options names them): a named sub-module of the block checkpointed (`attn`, `attn+mlp`), or
@@ -52,7 +52,7 @@ def policy_option(policy: str) -> str:
 
 
 # The option name of a block offloaded (plan/offload.py): its saved tensors kept in host memory.
-OFFLOAD_OPTION = "offload"
+OFFLOAD_OPTION = Action.OFFLOAD.value
 
 
 def policy_of(option: str) -> str | None:
