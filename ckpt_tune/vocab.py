@@ -28,23 +28,6 @@ SHARDS = ("none", "zero1", "zero2", "zero3", "fsdp")
 # how a plan's per-rank figures were obtained: one device (none), rank 0 recorded under the real engine
 # with a fake process group (measured), or one device's step divided by arithmetic (tune/sharding.py)
 SHARDINGS = ("none", "measured", "arithmetic")
-# kinds of plan choices (`search --candidates`): whole blocks (and the groups of blocks that hold
-# them), a block's sub-modules, runs of blocks under one checkpoint, op-level policies of a block (the
-# recompute kinds, `all`); and a block's saved tensors kept in host memory (offload: named to be used)
-RECOMPUTE_CANDIDATES = ("blocks", "submodules", "segments", "ops")
-CANDIDATES = (*RECOMPUTE_CANDIDATES, "offload")
-
-
-def candidate_kinds(text: str) -> frozenset[str]:
-    """`blocks,ops` -> the kinds of plan choice named (`all`: every recompute kind, to which `offload`
-    may be added: `all,offload`); an unknown one is an error."""
-    words = [w.strip() for w in text.split(",") if w.strip()]
-    if not words:
-        raise CkptTuneError("--candidates names no kind of choice", f"use a comma-separated list of {', '.join(CANDIDATES)}")
-    kinds = {known("candidate kind", w, (*CANDIDATES, "all"), "--candidates kind") for w in words}
-    return frozenset(kinds - {"all"} | (set(RECOMPUTE_CANDIDATES) if "all" in kinds else set()))
-
-
 def known(kind: str, value: Any, choices: Sequence[str], flag: str | None = None) -> str:
     """`value` if it is one of `choices`, else a CkptTuneError naming `kind` and the closest choice."""
     if isinstance(value, str) and value in choices:

@@ -6,11 +6,13 @@ Pure: nothing here runs a model (tests/test_apply.py runs the snippet on models)
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import pytest
 import yaml
 
 from ckpt_tune.errors import BudgetError, PlanError
+from ckpt_tune.plan import checkpoint as plan_checkpoint
 from ckpt_tune.plan.file import Plan, load_plan, plan_to_yaml, write_plan
 from ckpt_tune.plan.patch import patch_snippet
 from ckpt_tune.units import format_bytes, parse_percent
@@ -240,13 +242,17 @@ def test_snippet_is_valid_python_that_needs_only_torch(hf: bool) -> None:
     source = patch_snippet(EXAMPLE, hf=hf)
     compile(source, "<patch snippet>", "exec")
     imports = [line.strip() for line in source.splitlines() if line.strip().startswith(("import ", "from "))]
-    allowed = ["import types", "import torch", "import torch.utils.checkpoint"]
+    allowed = ["import types", "import torch", "import torch.utils.checkpoint", "from torch import nn"]
+    allowed.append("from contextlib import contextmanager")
     if hf:
         allowed.append("from transformers.modeling_layers import GradientCheckpointingLayer")
     assert sorted(set(imports)) == sorted(allowed)
-    assert "ckpt_tune" not in source
+    assert "ckpt_tune" not in "".join(line.split("#")[0] for line in source.splitlines())  # in comments only
     assert "use_reentrant=False, preserve_rng_state=True" in source
-    assert 'CKPT_MODULES = [\n    "blocks.0",\n    "blocks.2",\n]' in source
+    assert ('CKPT_MODULES = [\n    "blocks.0",\n    "blocks.2",\n]' in source) is hf  # the layers HF's switch turns on
+    # the wrapper ckpt_tune.apply installs, embedded as it is: written once
+    assert inspect.getsource(plan_checkpoint._ckpt_forward) in source
+    assert 'checkpoint(model.get_submodule("blocks.2"))' in source
     assert source.rstrip().endswith("model = apply_checkpointing(model)")
 
 
@@ -274,7 +280,8 @@ def test_snippet_hf_form_uses_the_transformers_switch() -> None:
 def test_snippet_with_nothing_to_checkpoint() -> None:
     source = patch_snippet(dataclasses.replace(EXAMPLE, checkpoint=(), budget_bytes=None))
     compile(source, "<patch snippet>", "exec")
-    assert "CKPT_MODULES = []" in source
+    assert "CKPT_MODULES = []" in patch_snippet(dataclasses.replace(EXAMPLE, checkpoint=(), budget_bytes=None), hf=True)
+    assert "    return model" in source  # the plain form applies nothing
     assert "budget" not in source.splitlines()[2]
 
 

@@ -17,9 +17,8 @@ from ckpt_tune.plan.apply import applied_names, apply, remove
 from ckpt_tune.plan.entry import Action, Entry
 from ckpt_tune.plan.file import Plan, load_plan, write_plan
 from ckpt_tune.plan.patch import patch_snippet
+from ckpt_tune.tune.kinds import DEVICE_FLOPS, exposed_transfer, parse_candidates
 from ckpt_tune.tune.search import search
-from ckpt_tune.tune.step_costs import DEVICE_FLOPS, exposed_transfer
-from ckpt_tune.vocab import candidate_kinds
 from examples import gpt
 
 GPT = "examples/gpt.py:build"
@@ -103,8 +102,8 @@ def test_exposed_transfer_is_what_compute_does_not_hide() -> None:
 
 
 def test_all_is_every_recompute_kind_and_offload_is_named() -> None:
-    assert "offload" not in candidate_kinds("all")
-    assert candidate_kinds("all,offload") == frozenset({"blocks", "submodules", "segments", "ops", "offload"})
+    assert "offload" not in parse_candidates("all")
+    assert parse_candidates("all,offload") == frozenset({"blocks", "submodules", "segments", "ops", "offload"})
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ from torch import nn
 
 from ckpt_tune.measure.runner import StepRunner, StepSettings
 from ckpt_tune.plan.entry import Action, to_data
-from ckpt_tune.tune.memory_model import policy_of, predict
+from ckpt_tune.tune.kinds import policy_of
+from ckpt_tune.tune.memory_model import predict
 from ckpt_tune.tune.planner import solve
 from ckpt_tune.tune.searcher import Searcher
 from tests.fixtures.models import ZOO
@@ -155,8 +156,8 @@ def test_under_fake_tensors_a_policy_as_dear_as_the_whole_block_on_its_roofline_
 @pytest.mark.parametrize("bad", ["blocks,opz", ""])
 def test_unknown_candidate_kinds_are_refused_with_a_hint(bad) -> None:
     from ckpt_tune.errors import CkptTuneError
-    from ckpt_tune.vocab import candidate_kinds
+    from ckpt_tune.tune.kinds import parse_candidates
 
     with pytest.raises(CkptTuneError) as info:
-        candidate_kinds(bad)
+        parse_candidates(bad)
     assert info.value.hint

@@ -309,9 +309,10 @@ def test_sharded_patch_needs_only_torch_and_shards_after_checkpointing(shard: st
     plan = dataclasses.replace(SHARDED, shard=shard, shard_units=() if shard == "zero1" else SHARDED.shard_units)
     source = patch_snippet(plan)
     compile(source, "<patch snippet>", "exec")
-    assert "ckpt_tune" not in source
+    assert "ckpt_tune" not in "".join(line.split("#")[0] for line in source.splitlines())  # in comments only
     imports = {line.strip() for line in source.splitlines() if line.startswith(("import ", "from "))}
-    assert all(i.split()[1].split(".")[0] == "torch" or i == "import types" for i in imports), imports
+    standard = ("import types", "from contextlib import contextmanager")
+    assert all(i.split()[1].split(".")[0] == "torch" or i in standard for i in imports), imports
     assert "# Per rank of 2 (" + shard + "): predicted peak" in source
     checkpointing = source.index("model = apply_checkpointing(model)")
     if shard == "zero1":

@@ -57,7 +57,7 @@ def test_plan_file_round_trips_policy_entries(tmp_path) -> None:
     assert "  - {module: blocks.1, policy: matmuls}" in path.read_text()
     back = load_plan(path)
     assert back.checkpoint == plan.checkpoint
-    assert [e.action for e in back.checkpoint] == [Action.CHECKPOINT, Action.SELECTIVE, Action.CHECKPOINT, Action.SELECTIVE]
+    assert [e.action for e in back.checkpoint] == [Action.CHECKPOINT, Action.SELECTIVE, Action.SEGMENT, Action.SELECTIVE]
     assert back.to_dict()["checkpoint"][3] == {"module": "blocks.4", "policy": "attention"}
 
 

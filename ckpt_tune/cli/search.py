@@ -28,6 +28,7 @@ from ckpt_tune.cli.options import (
     SeqLen,
     TargetArg,
 )
+from ckpt_tune.tune.kinds import candidates_help
 
 
 def search(
@@ -52,7 +53,7 @@ def search(
     world_size: Annotated[int, typer.Option("--world-size", min=1, help="GPUs of a sharded data-parallel run: plan per GPU")] = 1,
     shard: Annotated[str, typer.Option("--shard", help="none | zero1 | zero2 | zero3 | fsdp: what is divided by --world-size")] = "none",
     segments: Annotated[bool, typer.Option("--segments/--no-segments", help="also plan runs of consecutive blocks under one checkpoint (--no-segments: one checkpoint per module, e.g. for FSDP wrapped per block)")] = True,
-    candidates: Annotated[str, typer.Option("--candidates", help="kinds of choice the planner may use, comma-separated: blocks (whole blocks and the stages holding them), submodules (a block's attention or MLP), segments (runs of blocks under one checkpoint), ops (op-level policies of a block: keep matmul outputs, recompute the rest); or all (these four); add offload (a block's saved tensors kept in host memory; GPUs and --device meta only)")] = "all",
+    candidates: Annotated[str, typer.Option("--candidates", help=candidates_help())] = "all",
     host_link: Annotated[float, typer.Option("--host-link", min=0.001, help="GB/s of the host link offload's transfers are priced at (modelled): PCIe 4.0 x16 by default")] = 25.0,
     out: Annotated[Path | None, typer.Option("--out", help="write the plan YAML here")] = None,
     patch: Annotated[Path | None, typer.Option("--patch", help="write the patch snippet here")] = None,
@@ -66,11 +67,11 @@ def search(
     from ckpt_tune.plan.file import plan_to_yaml, write_plan
     from ckpt_tune.plan.patch import patch_snippet
     from ckpt_tune.tune import search as search_api
-    from ckpt_tune.vocab import candidate_kinds
+    from ckpt_tune.tune.kinds import parse_candidates
 
     settings = options.settings(device, precision, optimizer, batch_fn, loss_fn, hf_config, seq_len, attn,
                                 peft=options.peft_spec(peft, lora_r, lora_alpha, lora_dropout, lora_targets))
-    kinds = candidate_kinds(candidates)
+    kinds = parse_candidates(candidates)
     launcher = _launcher(emit, emit_out, as_json)
     if plot:  # a bad file name, or no matplotlib, is said before the search runs
         from ckpt_tune.cli import plot as figures

@@ -42,6 +42,7 @@ from ckpt_tune.measure.loader import Target
 from ckpt_tune.measure.session import Settings
 from ckpt_tune.plan.apply import applied_names, apply, remove
 from ckpt_tune.plan.file import Plan, write_plan
+from ckpt_tune.tune.kinds import parse_candidates
 from ckpt_tune.tune.search import SearchOutcome, search
 from ckpt_tune.units import format_bytes, format_percent
 
@@ -78,8 +79,7 @@ class CheckpointTuner(pl.Callback):
         precision: a ckpt-tune precision (vocab.PRECISIONS); None: the trainer's (PRECISION_OF_TRAINER).
         optimizer: a ckpt-tune optimizer (vocab.OPTIMIZERS); None: the one `configure_optimizers` made,
             when ckpt-tune knows it.
-        candidates: the kinds of plan choice ("blocks,segments" or an iterable of vocab.CANDIDATES;
-            None: all).
+        candidates: the kinds of plan choice ("blocks,segments", or their words; None: all).
         segments: also consider runs of consecutive blocks under one checkpoint.
         batch_size: a fixed micro-batch: only the cheapest plan at it is searched.
         target_batch: the effective batch per optimizer step: planned as micro-batch × accumulation.
@@ -118,7 +118,7 @@ class CheckpointTuner(pl.Callback):
         self.precision = None if precision is None else vocab.known("precision", precision, vocab.PRECISIONS)
         self.optimizer = None if optimizer is None else vocab.optimizer(optimizer).name
         joined = candidates if candidates is None or isinstance(candidates, str) else ",".join(candidates)
-        self.candidates = None if joined is None else vocab.candidate_kinds(joined)
+        self.candidates = None if joined is None else parse_candidates(joined)
         self.segments = segments
         self.batch_size = batch_size
         self.target_batch = target_batch

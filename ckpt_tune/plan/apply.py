@@ -1,12 +1,11 @@
-"""Apply a plan to a model in place: wrap the named modules with non-reentrant activation checkpointing.
+"""Apply a plan to a model in place: each entry wrapped by its kind's runtime (plan/kinds.py).
 
 Only memory and time may change (docs/design.md §5): same loss, gradients, BatchNorm running statistics and
-random stream. The wrapper replaces `forward` on the module *instance*, so module names, state_dict keys
-and hooks are untouched; the module's own hooks (FSDP's included) stay outside the checkpoint and run
-once. The patch snippet of `plan/patch.py` does the same with plain torch and uses the same
-attribute names, so `applied_names` and `remove` recognise modules wrapped by either. A segment (a list
-of consecutive blocks in the plan) is checkpointed as one region by ckpt_tune/plan/segment.py, which the
-patch snippet embeds.
+random stream. The wrappers (plan/checkpoint.py, plan/segment.py, plan/offload.py) replace `forward` on
+the module *instance*, so module names, state_dict keys and hooks are untouched; the module's own hooks
+(FSDP's included) stay outside and run once. The patch snippet of `plan/patch.py` embeds the same
+runtime modules and makes the same calls, so `applied_names` and `remove` recognise modules wrapped by
+either.
 """
 
 from __future__ import annotations
@@ -14,73 +13,39 @@ from __future__ import annotations
 import contextlib
 import difflib
 import logging
-import types
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-import torch.utils.checkpoint
 from torch import nn
 
 from ckpt_tune.errors import PlanError
-from ckpt_tune.plan.entry import Action, Entry, entries_of, member_names
+from ckpt_tune.plan.checkpoint import POLICY_ATTR, is_checkpointed, uncheckpoint
+from ckpt_tune.plan.entry import Entry, entries_of, member_names
 from ckpt_tune.plan.file import Plan, load_plan
-from ckpt_tune.plan.offload import OFFLOAD_FORWARD, is_offloaded, offload, restore
-from ckpt_tune.plan.policy import context_fn
-from ckpt_tune.plan.segment import (
-    INNER_ATTR,
-    SEGMENT_ATTR,
-    SEGMENT_FORWARD,
-    Segment,
-    inner_forward,
-    running_stats,
-    throwaway_running_stats,
-)
+from ckpt_tune.plan.kinds import KINDS, Action
+from ckpt_tune.plan.offload import is_offloaded, restore
+from ckpt_tune.plan.segment import SEGMENT_ATTR, is_segment
 
 log = logging.getLogger(__name__)
 
-# Shared with the patch snippet (plan/patch.py): the wrapper's function name marks a wrapped module, and a
-# forward the instance had before wrapping (e.g. one set by accelerate) is kept under this attribute.
-_WRAPPER_NAME = "_ckpt_forward"
-_INNER_ATTR = INNER_ATTR
-# The op-level policy (plan/policy.py) of a module wrapped for an Action.SELECTIVE entry.
-_POLICY_ATTR = "_ckpt_policy"
 # Set on the root module by `apply`: the configs whose `use_cache` it turned off, for `remove`.
 _SAVED_CACHE_ATTR = "_ckpt_tune_use_cache_off"
 
 
-def _ckpt_forward(self: nn.Module, *args, **kwargs):
-    """The instance-level forward of a wrapped module (bound with MethodType, so deepcopy binds the copy)."""
-    inner = inner_forward(self)
-    if not (self.training and torch.is_grad_enabled()):
-        return inner(*args, **kwargs)
-    calls = 0
-    policy = self.__dict__.get(_POLICY_ATTR)
-    # under an op policy the recompute must run exactly the forward's ops: the throwaway copies of
-    # the running statistics are made here, outside the checkpointed region
-    spares = [b.clone() for *_, b in running_stats(self)] if policy is not None else None
-
-    def run(*a):
-        # checkpoint calls this once in forward and again for each recompute in backward.
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            return inner(*a, **kwargs)
-        with throwaway_running_stats(self, spares):
-            return inner(*a, **kwargs)
-
-    # kwargs reach `run` by closure, not through checkpoint(), so a module keyword named like one of
-    # checkpoint's own (debug, context_fn, determinism_check) cannot collide.
-    extra = {"context_fn": context_fn(policy)} if policy is not None else {}
-    # the arguments as they are now: a list the caller appends to after this call (DenseNet's earlier
-    # features) must reach the recompute as it was, so containers are copied (tensors are not)
-    args, kwargs = torch.utils._pytree.tree_map(lambda x: x, (args, kwargs))
-    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **extra)
+def _wrapped_as(module: nn.Module) -> str | None:
+    """How a module of ours is wrapped, in a kind's words (`Kind.state`), or None."""
+    if SEGMENT_ATTR in module.__dict__:
+        return KINDS[Action.SEGMENT].state(None)
+    if is_offloaded(module):
+        return KINDS[Action.OFFLOAD].state(None)
+    if is_checkpointed(module):
+        policy = module.__dict__.get(POLICY_ATTR)
+        return KINDS[Action.SELECTIVE if policy else Action.CHECKPOINT].state(policy)
+    return None
 
 
 def _is_wrapped(module: nn.Module) -> bool:
-    own = module.__dict__.get("forward")
-    return getattr(own, "__name__", None) in (_WRAPPER_NAME, SEGMENT_FORWARD, OFFLOAD_FORWARD)
+    return _wrapped_as(module) is not None
 
 
 def applied_names(model: nn.Module) -> tuple[str, ...]:
@@ -214,80 +179,33 @@ def apply(model: nn.Module, plan_or_path: Plan | str | Path | dict | Sequence) -
     if modules:
         _turn_off_use_cache(model)
     for entry in entries:
-        _WRAPPERS[entry.action](model, entry, [modules[n] for n in entry.modules])
+        _apply_entry(model, entry, [modules[n] for n in entry.modules])
     return model
 
 
-def _checkpoint(model: nn.Module, entry: Entry, blocks: list[nn.Module]) -> None:
-    """Action.CHECKPOINT: one module under non-reentrant checkpoint, or a run of blocks as one region;
-    Action.SELECTIVE: one module under checkpoint with its op policy (plan/policy.py)."""
-    if not entry.is_segment:
-        module = blocks[0]
-        if _is_wrapped(module):
-            if is_offloaded(module) or module.__dict__.get(_POLICY_ATTR) != entry.policy:
-                policy = module.__dict__.get(_POLICY_ATTR)
-                what = "offloaded" if is_offloaded(module) else f"checkpointed under policy {policy}" if policy else "checkpointed whole"
-                raise PlanError(
-                    f"{entry.modules[0]} is already {what}",
-                    hint="call ckpt_tune.remove(model) first, or apply one plan only",
-                )
-            return
-        own = module.__dict__.get("forward")
-        if own is not None:
-            setattr(module, _INNER_ATTR, own)
-        if entry.policy is not None:
-            setattr(module, _POLICY_ATTR, entry.policy)
-        module.forward = types.MethodType(_ckpt_forward, module)
+def _apply_entry(model: nn.Module, entry: Entry, modules: list[nn.Module]) -> None:
+    """Run the entry's call (plan/kinds.py), unless its modules are wrapped so already; a module wrapped
+    otherwise is an error."""
+    if entry.is_segment and is_segment(modules):
         return
-    if _same_segment(blocks):
-        return
-    wrapped = [n for n, b in zip(entry.modules, blocks, strict=True) if _is_wrapped(b)]
-    if wrapped:
-        raise PlanError(
-            f"cannot checkpoint {entry.label} as one segment: {wrapped[0]} is already checkpointed",
-            hint="call ckpt_tune.remove(model) first, or apply one plan only",
-        )
-    Segment(blocks, f"segment {entry.label}").wrap(root=model)
-
-
-def _offload(model: nn.Module, entry: Entry, blocks: list[nn.Module]) -> None:
-    """Action.OFFLOAD: what the module saves for backward kept in host memory (plan/offload.py)."""
-    if _is_wrapped(blocks[0]) and not is_offloaded(blocks[0]):
-        raise PlanError(
-            f"{entry.modules[0]} is already checkpointed: it cannot be offloaded too",
-            hint="call ckpt_tune.remove(model) first, or apply one plan only",
-        )
-    offload(blocks[0])
-
-
-# One wrapper per kind of entry (docs/design.md §7).
-_WRAPPERS = {Action.CHECKPOINT: _checkpoint, Action.SELECTIVE: _checkpoint, Action.OFFLOAD: _offload}
-
-
-def _same_segment(blocks: list[nn.Module]) -> bool:
-    """True when `blocks` are already wrapped as exactly one segment, in this order."""
-    marks = [b.__dict__.get(SEGMENT_ATTR) for b in blocks]
-    return all(m is not None for m in marks) and all(
-        m[0] is marks[0][0] and m[1] == i and m[0].blocks[i] is b for i, (m, b) in enumerate(zip(marks, blocks, strict=True))
-    ) and len(marks[0][0].blocks) == len(blocks)
+    state = entry.kind.state(entry.policy)
+    for name, module in zip(entry.modules, modules, strict=True):
+        now = _wrapped_as(module)
+        if now is not None and (entry.is_segment or now != state):
+            raise PlanError(
+                f"{name} is already {now}, so it cannot be {state} too ({entry.label})",
+                hint="call ckpt_tune.remove(model) first, or apply one plan only",
+            )
+    entry.call().run(model)
 
 
 def remove(model: nn.Module) -> None:
     """Undo `apply` (or the patch snippet): restore every wrapped module's original forward, and the
     `use_cache` settings `apply` turned off."""
     for module in model.modules():
-        if not _is_wrapped(module):
-            continue
         if SEGMENT_ATTR in module.__dict__:
             module.__dict__[SEGMENT_ATTR][0].unwrap()  # all its blocks, and its hook on the model
-            continue
-        if is_offloaded(module):
-            restore(module)
-            continue
-        inner = module.__dict__.pop(_INNER_ATTR, None)
-        module.__dict__.pop(_POLICY_ATTR, None)
-        del module.__dict__["forward"]
-        if inner is not None:
-            module.forward = inner
+        restore(module)
+        uncheckpoint(module)
     for config in model.__dict__.pop(_SAVED_CACHE_ATTR, []):
         config.use_cache = True

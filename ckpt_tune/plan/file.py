@@ -14,7 +14,7 @@ from typing import Any
 from ckpt_tune import yamlio
 from ckpt_tune.errors import PlanError
 from ckpt_tune.plan import finetune
-from ckpt_tune.plan.entry import Action, Entry, entries_of, member_names, to_data
+from ckpt_tune.plan.entry import Entry, entries_of, member_names, to_data
 from ckpt_tune.plan.finetune import PeftSpec
 from ckpt_tune.units import format_bytes
 from ckpt_tune.vocab import DEVICES, OPTIMIZERS, PRECISIONS, SHARDINGS, SHARDS
@@ -111,27 +111,19 @@ _SHARDING_COMMENT = {
     "measured": "rank 0 recorded under the real engine, fake process group",
     "arithmetic": "one device's step divided by the ranks",
 }
-_ENTRY_COMMENT = {
-    Action.CHECKPOINT: "one segment: one checkpoint over these blocks",
-    Action.SELECTIVE: "checkpointed under an op policy",
-    Action.OFFLOAD: "saved tensors kept in host memory",
-}
-
-
 def entry_yaml(entry: Entry) -> str:
-    """One item of the `checkpoint` list: `  - name`, a flow list for a run of blocks, or a flow
-    mapping `{module: name, policy: p}` for a module under an op policy, `{module: name, action: offload}`
-    for a module offloaded."""
-    if entry.action is Action.OFFLOAD:
-        item = f"  - {{module: {yamlio.flow_name(entry.modules[0])}, action: offload}}"
-        return f"{item.ljust(yamlio.COMMENT_COLUMN - 1)} # {_ENTRY_COMMENT[entry.action]}"
-    if entry.action is Action.SELECTIVE:
-        item = f"  - {{module: {yamlio.flow_name(entry.modules[0])}, policy: {entry.policy}}}"
-        return f"{item.ljust(yamlio.COMMENT_COLUMN - 1)} # {_ENTRY_COMMENT[entry.action]}"
-    if not entry.is_segment:
-        return f"  - {yamlio.scalar(entry.modules[0])}"
-    item = f"  - [{', '.join(yamlio.flow_name(n) for n in entry.modules)}]"
-    return f"{item.ljust(yamlio.COMMENT_COLUMN - 1)} # {_ENTRY_COMMENT[entry.action]}"
+    """One item of the `checkpoint` list: its data form (plan/kinds.py) in YAML flow style (`  - name`,
+    a flow list for a run of blocks, a flow mapping for a module under an op policy or offloaded),
+    with its kind's comment."""
+    data = entry.to_data()
+    if isinstance(data, str):
+        item = f"  - {yamlio.scalar(data)}"
+    elif isinstance(data, list):
+        item = f"  - [{', '.join(yamlio.flow_name(n) for n in data)}]"
+    else:
+        item = "  - {" + ", ".join(f"{k}: {yamlio.flow_name(v)}" for k, v in data.items()) + "}"
+    comment = entry.kind.comment
+    return f"{item.ljust(yamlio.COMMENT_COLUMN - 1)} # {comment}" if comment else item
 
 
 def plan_to_yaml(plan: Plan) -> str:

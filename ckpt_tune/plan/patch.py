@@ -1,110 +1,41 @@
 """The patch snippet: Python source a user pastes after building the model, torch only.
 
-It checkpoints the plan's entries exactly as `ckpt_tune.apply` does (plan/apply.py), with the same
-attribute names, so `applied_names` and `remove` recognise modules wrapped by either. Segments embed
-plan/segment.py verbatim. A plan for several ranks then shards the model as `ckpt_tune.shard` does
+It applies the plan's entries exactly as `ckpt_tune.apply` does (plan/apply.py): it embeds, as they
+are, the runtime modules of the plan's kinds (plan/kinds.py: plan/checkpoint.py, plan/segment.py,
+plan/offload.py, plan/policy.py) and makes each entry's call, so `applied_names` and `remove` recognise
+modules wrapped by either. A plan for several ranks then shards the model as `ckpt_tune.shard` does
 (plan/shard.py), with torch's public API: `fully_shard` on each shard unit and the root, or for zero1 a
 `ZeroRedundancyOptimizer` to build the optimizer with. Checkpoint wrappers first, sharding second.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import json
+import re
 
-from ckpt_tune.plan import offload, policy, segment
-from ckpt_tune.plan.entry import Action, Entry
 from ckpt_tune.plan.file import Plan
 from ckpt_tune.plan.finetune import peft_code
+from ckpt_tune.plan.kinds import KINDS, Action
 from ckpt_tune.plan.shard import ENGINES, MIXED
 from ckpt_tune.units import format_bytes
 
-# The wrapper of the patch snippet: the same logic, names and guards as ckpt_tune/plan/apply.py (tests run
-# both on the same models and compare every gradient), written with torch alone.
-_SNIPPET_WRAPPER = """
-import types
+_SNIPPET_APPLY = """
 
-import torch
-import torch.utils.checkpoint
-
-CKPT_MODULES = {names}
-
-
-def _ckpt_forward(self, *args, **kwargs):
-    # Checkpoint the module's own forward; its hooks (FSDP's too) stay outside and run once.
-    inner = self.__dict__.get("_ckpt_inner_forward") or types.MethodType(type(self).forward, self)
-    if not (self.training and torch.is_grad_enabled()):
-        return inner(*args, **kwargs)
-    calls = []
-    norms = [m for m in self.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)]
-    policy = self.__dict__.get("_ckpt_policy")
-    # under an op policy the recompute must run exactly the forward's ops: copies made out here
-    spares = [b.clone() for m in norms for b in m._buffers.values() if b is not None] if policy else None
-
-    def run(*a):
-        calls.append(None)
-        if len(calls) == 1:
-            return inner(*a, **kwargs)
-        # Recompute in backward: BatchNorm would update its running stats a second time
-        # (pytorch#96136). Let it update throwaway copies; its output is bit-for-bit the same.
-        kept = [(m, k, b) for m in norms for k, b in m._buffers.items() if b is not None]
-        # a buffer the forward replaces (self.x_min = self.x_min + ...): the recompute's replacement is dropped
-        entries = [(m, dict(m._buffers)) for m in self.modules() if m._buffers]
-        for (m, k, b), spare in zip(kept, spares or [b.clone() for *_, b in kept]):
-            m._buffers[k] = spare
-        try:
-            return inner(*a, **kwargs)
-        finally:
-            for m, saved in entries:
-                m._buffers.update(saved)
-            for m, k, b in kept:
-                m._buffers[k] = b
-
-    extra = {"context_fn": context_fn(policy)} if policy else {}
-    # the arguments as they are now: containers are copied, so a list the caller grows later (DenseNet's
-    # earlier features) reaches the recompute as it was
-    args, kwargs = torch.utils._pytree.tree_map(lambda x: x, (args, kwargs))
-    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **extra)
-
-
-def {plain_name}(model):
+def {function}(model):
     for m in model.modules():  # Hugging Face: the recompute would fill the KV cache twice
         if getattr(getattr(m, "config", None), "use_cache", None) is True:
             m.config.use_cache = False
-    for name in CKPT_MODULES:
-{offload_branch}{policy_branch}{segment_branch}
-        module = model.get_submodule(name)
-        own = module.__dict__.get("forward")
-        if getattr(own, "__name__", None) == "_ckpt_forward":
-            continue  # already wrapped
-        if own is not None:
-            module._ckpt_inner_forward = own
-{policy_set}        module.forward = types.MethodType(_ckpt_forward, module)
-    return model
-"""
-
-_SNIPPET_SEGMENT_BRANCH = """        if not isinstance(name, str):  # a segment: these consecutive blocks under one checkpoint
-            if getattr(model.get_submodule(name[0]).__dict__.get("forward"), "__name__", None) != SEGMENT_FORWARD:
-                checkpoint_segment(model, list(name))
-            continue
-"""
-
-_SNIPPET_OFFLOAD_BRANCH = """        if isinstance(name, dict) and name.get("action") == "offload":  # saved tensors kept in host memory
-            offload(model.get_submodule(name["module"]))
-            continue
-"""
-
-_SNIPPET_POLICY_BRANCH = """        policy = None
-        if isinstance(name, dict):  # a module under an op policy: keep the outputs of the ops it names
-            name, policy = name["module"], name["policy"]
-"""
-_SNIPPET_POLICY_SET = """        if policy is not None:
-            module._ckpt_policy = policy
+{calls}    return model
 """
 
 # Hugging Face form: transformers' own per-layer switch (GradientCheckpointingLayer.gradient_checkpointing,
 # transformers >= 4.52), falling back to the plain wrapper when a planned module is not such a layer.
 _SNIPPET_HF = """
+
+CKPT_MODULES = {names}
+
 
 def apply_checkpointing(model):
     layers = {name: model.get_submodule(name) for name in CKPT_MODULES}
@@ -238,7 +169,7 @@ def patch_snippet(plan: Plan, *, hf: bool = False) -> str:
     GradientCheckpointingLayer, and the plain wrapper otherwise.
     """
     per_step = plan.batch_size * plan.grad_accum_steps
-    offloads = any(e.action is Action.OFFLOAD for e in plan.checkpoint)
+    costs = list(dict.fromkeys(["recompute", *(e.kind.cost for e in plan.checkpoint)]))
     budget = "" if plan.budget_bytes is None else f" of a {format_bytes(plan.budget_bytes)} budget"
     verified = (
         "not verified by running it"
@@ -255,7 +186,7 @@ def patch_snippet(plan: Plan, *, hf: bool = False) -> str:
         f"# Use micro-batch size {plan.batch_size} with {plan.grad_accum_steps} gradient-accumulation step(s)"
         f" ({per_step} samples per optimizer step).",
         f"# {peak}",
-        f"# Recompute{' and host transfers (modelled)' * offloads} add{'s' * (not offloads)} about "
+        f"# {' and '.join(costs).capitalize()} add{'s' * (len(costs) == 1)} about "
         f"{plan.predicted_recompute_fraction:.1%} to the step time.",
         f"# Paste after building `model`, {paste}",
     ]
@@ -264,48 +195,41 @@ def patch_snippet(plan: Plan, *, hf: bool = False) -> str:
             f"# The plan was measured with {plan.peft.method} ({plan.peft.describe()}); build `model` this way:",
             *(f"#   {code_line}".rstrip() for code_line in peft_code(plan.peft).splitlines()),
         ]
-    segments = any(e.is_segment for e in plan.checkpoint)
-    policies = any(e.policy is not None for e in plan.checkpoint)
-    # Hugging Face's per-layer switch cannot checkpoint several layers as one, nor under an op policy
-    hf = hf and not segments and not policies and not offloads
-
-    def literal(e: Entry) -> str:  # json.dumps writes a valid Python string literal for any name
-        names = [json.dumps(n) for n in e.modules]
-        if e.action is Action.OFFLOAD:
-            return f'{{"module": {names[0]}, "action": "offload"}}'
-        if e.policy is not None:
-            return f'{{"module": {names[0]}, "policy": {json.dumps(e.policy)}}}'
-        return names[0] if not e.is_segment else "(" + ", ".join(names) + ")"
-
-    names = (
-        "["
-        + "".join(f"\n    {literal(e)}," for e in plan.checkpoint)
-        + ("\n]" if plan.checkpoint else "]")
-    )
-    body = _SNIPPET_WRAPPER.replace("{names}", names).replace(
-        "{plain_name}", "_apply_plain" if hf else "apply_checkpointing"
-    )
-    body = body.replace("{offload_branch}", _SNIPPET_OFFLOAD_BRANCH if offloads else "")
-    body = body.replace("{policy_branch}", _SNIPPET_POLICY_BRANCH if policies else "")
-    body = body.replace("{segment_branch}\n", _SNIPPET_SEGMENT_BRANCH if segments else "")
-    body = body.replace("{policy_set}", _SNIPPET_POLICY_SET if policies else "")
-    if policies:
-        body = _module_source(policy, "Op-level policies (ckpt_tune/plan/policy.py, verbatim)") + body
-    else:  # no policy in the plan: the wrapper's `context_fn` is never called
-        body = body.replace('extra = {"context_fn": context_fn(policy)} if policy else {}', "extra = {}")
-    if offloads:
-        body = _module_source(offload, "Activation offload (ckpt_tune/plan/offload.py, verbatim)") + body
-    if segments:
-        body = _module_source(segment, "Segments: consecutive blocks under one checkpoint (ckpt_tune/plan/segment.py, verbatim)") + body
+    kinds = {e.kind for e in plan.checkpoint}
+    # Hugging Face's per-layer switch checkpoints one layer whole: nothing of another kind
+    hf = hf and kinds <= {KINDS[Action.CHECKPOINT]}
+    names = "[" + "".join(f"\n    {json.dumps(e.to_data())}," for e in plan.checkpoint) + ("\n]" if plan.checkpoint else "]")
+    calls = "".join(f"    {e.call().source()}\n" for e in plan.checkpoint)
+    # the HF form falls back to the plain wrapper, and its own code needs torch: checkpoint.py always
+    runtime = [*KINDS[Action.CHECKPOINT].runtime * hf, *(r for e in plan.checkpoint for r in e.kind.runtime)]
+    body = "".join(_module_source(r, set(runtime)) for r in dict.fromkeys(runtime))
+    body += _SNIPPET_APPLY.replace("{function}", "_apply_plain" if hf else "apply_checkpointing").replace("{calls}", calls)
     if hf:
-        body += _SNIPPET_HF
+        body += _SNIPPET_HF.replace("{names}", names)
     return "\n".join(header) + "\n" + body + "\n\nmodel = apply_checkpointing(model)\n" + sharding_snippet(plan)
 
 
-def _module_source(module, title: str) -> str:
-    """A torch-only module of ckpt_tune/plan as snippet code: its docstring as comments, no `from __future__`."""
-    text = inspect.getsource(module)
+_IMPORT_OURS = re.compile(r"^from ckpt_tune\.plan\.(\w+) import (.+)$", re.MULTILINE)
+
+
+def _module_source(name: str, embedded: set[str]) -> str:
+    """Runtime module `ckpt_tune.plan.<name>` as snippet code: its docstring as comments, its body as it
+    is, less `from __future__` and its imports of other runtime modules (embedded beside it; a name
+    of one that is not, which the plan's entries never call, becomes a stub that says so)."""
+    module = importlib.import_module(f"ckpt_tune.plan.{name}")
     doc = module.__doc__ or ""
-    body = text.split('"""', 2)[2].replace("from __future__ import annotations\n", "")
+    body = inspect.getsource(module).split('"""', 2)[2].replace("from __future__ import annotations\n", "")
+
+    def imported(match: re.Match) -> str:
+        if match.group(1) in embedded:
+            return ""
+        return "\n\n".join(
+            f"def {n.strip()}(*args, **kwargs):  # ckpt_tune/plan/{match.group(1)}.py: not needed by this plan\n"
+            f"    raise RuntimeError(\"this plan's snippet does not include {match.group(1)}.py\")\n"
+            for n in match.group(2).split(",")
+        )
+
+    body = _IMPORT_OURS.sub(imported, body)
     comment = "\n".join(("# " + line).rstrip() for line in doc.strip().splitlines())
-    return f"\n# {title}.\n" + comment + "\n" + body
+    return f"\n# ckpt_tune/plan/{name}.py, verbatim.\n" + comment + "\n" + body
+

@@ -19,7 +19,8 @@ Everything between the blocks' calls runs inside the region. Code of the parent 
 backward between two blocks of a segment would not be recomputed: backward then stops with
 torch.utils.checkpoint's error instead of computing anything wrong.
 
-This file imports torch only: the patch snippet (ckpt_tune/plan/patch.py) embeds it as it is.
+This file imports torch and plan/checkpoint.py only: the patch snippet (ckpt_tune/plan/patch.py)
+embeds both as they are, that one first.
 """
 
 from __future__ import annotations
@@ -28,55 +29,16 @@ import contextlib
 import inspect
 import types
 import weakref
-from contextlib import contextmanager
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ckpt_tune.plan.checkpoint import INNER_ATTR, inner_forward, throwaway_running_stats
+
 SEGMENT_FORWARD = "_ckpt_segment_forward"  # the instance forward of a segment's block
 SEGMENT_ATTR = "_ckpt_segment"  # (Segment, position) on each block of a segment
-INNER_ATTR = "_ckpt_inner_forward"  # a forward the instance had before wrapping
-
-
-def running_stats(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
-    """(norm layer, buffer name, buffer) of every running statistic inside `module`."""
-    return [
-        (m, name, buf)
-        for m in module.modules()
-        if isinstance(m, nn.modules.batchnorm._NormBase)
-        for name, buf in m._buffers.items()
-        if buf is not None
-    ]
-
-
-@contextmanager
-def throwaway_running_stats(module: nn.Module, spares: list[torch.Tensor] | None = None):
-    """Let every norm layer inside `module` update clones of its running statistics, then put the
-    real buffers back (the recompute must not update them a second time: pytorch#96136).
-
-    Clones, not `running_mean=None`: the recompute must run the same kernel with the same arguments,
-    so that it saves as many tensors as the first forward (non-reentrant checkpoint matches them by
-    position) and its outputs are bit-for-bit those of the first forward. `spares`: clones made before
-    the checkpointed region (`[b.clone() for *_, b in running_stats(module)]`), for a region under an
-    op policy, whose recompute must run exactly the ops of its forward and no clone.
-    """
-    kept = running_stats(module)
-    # any other buffer a forward replaces (`self.x_min = self.x_min + ...`, Hugging Face's I-BERT range
-    # trackers): the recompute's replacement is dropped, the entry put back; nothing is cloned for them
-    entries = [(m, dict(m._buffers)) for m in module.modules() if m._buffers]
-    if spares is None:
-        spares = [buf.clone() for _, _, buf in kept]
-    for (m, name, _), spare in zip(kept, spares):
-        m._buffers[name] = spare
-    try:
-        yield
-    finally:
-        for m, saved in entries:
-            m._buffers.update(saved)
-        for m, name, buf in kept:
-            m._buffers[name] = buf
 
 
 def _no_dispatch_modes():
@@ -85,12 +47,6 @@ def _no_dispatch_modes():
 
     disable = getattr(_python_dispatch, "_disable_current_modes", None)
     return disable() if disable is not None else contextlib.nullcontext()
-
-
-def inner_forward(module: nn.Module):
-    """The module's forward without any wrapper of ours (and without its hooks)."""
-    inner = module.__dict__.get(INNER_ATTR)
-    return inner if inner is not None else types.MethodType(type(module).forward, module)
 
 
 def available() -> bool:
@@ -261,11 +217,20 @@ def _ckpt_segment_forward(self: nn.Module, *args, **kwargs):
     return inner_forward(self)(*args, **kwargs)
 
 
-def checkpoint_segment(model: nn.Module, names: list[str]) -> Segment:
-    """Checkpoint the consecutive blocks `names` of `model` as one segment, in place."""
-    segment = Segment([model.get_submodule(n) for n in names], f"segment {names[0]}..{names[-1]}")
-    segment.wrap(root=model)
-    return segment
+def is_segment(blocks: list[nn.Module]) -> bool:
+    """True when `blocks` are already wrapped as exactly one segment, in this order."""
+    marks = [b.__dict__.get(SEGMENT_ATTR) for b in blocks]
+    return all(m is not None for m in marks) and len(marks[0][0].blocks) == len(blocks) and all(
+        m[0] is marks[0][0] and m[1] == i and m[0].blocks[i] is b for i, (m, b) in enumerate(zip(marks, blocks, strict=True))
+    )
+
+
+def checkpoint_segment(model: nn.Module, names: list[str]) -> None:
+    """Checkpoint the consecutive blocks `names` of `model` as one segment, in place (blocks that are
+    this segment already are left as they are)."""
+    blocks = [model.get_submodule(n) for n in names]
+    if not is_segment(blocks):
+        Segment(blocks, f"segment {names[0]}..{names[-1]}").wrap(root=model)
 
 
 def unwrap_segment_block(block: nn.Module) -> None:

@@ -38,36 +38,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ckpt_tune.plan.entry import Action, Entry
+from ckpt_tune.plan.entry import Entry
+from ckpt_tune.tune.kinds import kind_of, neighbour_like, policy_of
 
-# Options of a block: 0 = stored normally, 1 = the whole block checkpointed, 2.. = finer options
-# (Terms.options names them): a named sub-module of the block checkpointed (`attn`, `attn+mlp`), or
-# the whole block checkpointed under an op-level policy (`@matmuls`: plan/policy.py).
-POLICY_MARK = "@"
-
-
-def policy_option(policy: str) -> str:
-    """The option name of the whole block checkpointed under op policy `policy`."""
-    return POLICY_MARK + policy
-
-
-# The option name of a block offloaded (plan/offload.py): its saved tensors kept in host memory.
-OFFLOAD_OPTION = Action.OFFLOAD.value
-
-
-def policy_of(option: str) -> str | None:
-    """The op policy an option name stands for, or None (a sub-module option, "none", "block")."""
-    return option[len(POLICY_MARK):] if option.startswith(POLICY_MARK) else None
-
-
-def neighbour_like(options: tuple[str, ...], k: int) -> int:
-    """The basic option (0 stored, 1 checkpointed) option k looks like to the blocks next to it: a
-    sub-module option keeps the block's input and output as option 0 does; a policy option is a
-    checkpoint of the whole block (its input kept by the checkpoint, its own output not); an offloaded
-    block makes its output as a stored one does."""
-    if k < 2:
-        return k
-    return 1 if policy_of(options[k]) is not None else 0
+# Options of a block: 0 = stored normally, 1 = the whole block checkpointed, 2.. = the finer options of
+# the kinds offered (Terms.options names them; tune/kinds.py says what each is).
 
 
 @dataclass(frozen=True)
@@ -118,14 +93,8 @@ def plan_entries(units, options, choice: tuple[int, ...], groups: dict[tuple[int
         if c < SEGMENT_MEMBER:
             group = (groups or {}).get((i, i - c - 1))
             out.append(Entry((group,)) if group else Entry(tuple(units[i : i - c])))
-        elif c == 1:
-            out.append(Entry((u,)))
-        elif c > 1 and (policy := policy_of(options[c])) is not None:
-            out.append(Entry.selective(u, policy))
-        elif c > 1 and options[c] == OFFLOAD_OPTION:
-            out.append(Entry.offload(u))
-        elif c > 1:
-            out.extend(Entry((f"{u}.{sub}",)) for sub in options[c].split("+"))
+        elif c >= 1:
+            out.extend(kind_of(options[c]).entries(u, options[c]))
     return tuple(out)
 
 

@@ -19,14 +19,14 @@ from ckpt_tune.tune.candidates import (
     between,
     call_chain,
     chain_of,
-    find_sub_options,
     group_spans,
     outermost_repeated,
     outside,
     repeated_inside,
     with_parameters,
 )
-from ckpt_tune.tune.memory_model import OFFLOAD_OPTION, cut_run, policy_option
+from ckpt_tune.tune.kinds import BLOCK, NONE
+from ckpt_tune.tune.memory_model import cut_run
 from ckpt_tune.tune.probing import ProbeSteps
 from ckpt_tune.tune.repeats import find_repeat
 
@@ -70,18 +70,14 @@ class Ordering(ProbeSteps):
             self._keep_early(early)
 
     def _set_options(self, batch_size: int) -> None:
-        """The options of every block: stored, checkpointed whole, its sub-modules, the useful op policies."""
-        subs = find_sub_options(self.runner.model, self.units) if "submodules" in self.candidates else []
-        # modules run more than once inside a unit: checkpointed at each call (a shared layer's loop)
-        subs += [o for o in dict.fromkeys(self._repeats.values()) if o not in subs]
-        policies = self._refinement("op policies", "every block", lambda: self._useful_policies(batch_size), []) if "ops" in self.candidates else []
-        offload = "offload" in self.candidates and self._refinement("offload", "every block", lambda: self._offload_bytes(batch_size), False)
-        options = ("none", "block", *subs, *(policy_option(p) for p in policies), *((OFFLOAD_OPTION,) if offload else ()))
+        """The options of every block: stored, checkpointed whole, then the finer options of each kind
+        offered (tune/kinds.py: sub-modules, the useful op policies, offload)."""
+        options = (NONE, BLOCK, *(o for k in self.kinds for o in k.offer(self, batch_size)))
         if self.options != options:  # a later search chose others (timed op policies): nothing measured holds
             self.forget_measured()
         self.options = options
 
-    def _offload_bytes(self, batch_size: int) -> bool:
+    def measure_offload(self, batch_size: int) -> bool:
         """Each unit's saved bytes per sample, which offloading it moves to host memory and back
         (op_costs.saved_bytes, one forward); True: offload is offered."""
         if not self.offload_bytes:
@@ -154,7 +150,7 @@ class Ordering(ProbeSteps):
         if self._by_calls:
             self._repeated(marked, mk)
         self.spans = group_spans(self.units, {g: v for g, v in self.groups.items() if g not in self.units})
-        if "blocks" not in self.candidates:  # groups are whole modules checkpointed: the "blocks" kind
+        if not any(k.groups for k in self.kinds):  # groups are whole modules checkpointed
             self.spans = {}
         self.repeat = find_repeat(self.runner.model, self.units) if self._plain else None
         # fake steps allocate nothing and compete for no RAM: independent probes may run side by side
@@ -177,17 +173,17 @@ class Ordering(ProbeSteps):
 
     def _repeated(self, marked: list[str], mk: dict[str, list[int]]) -> None:
         """Modules that run more than once per step (docs/design.md §4): inside a unit, a finer option of
-        that unit (`_repeats`); outside every unit (a loop in the model's own forward), the floor's set
+        that unit (`repeats`); outside every unit (a loop in the model's own forward), the floor's set
         (`_looping`)."""
         calls = lambda n: mk.get("f>" + n, [])  # noqa: E731
         backward = lambda n: bool(mk.get("b>" + n))  # noqa: E731
         names = [n for n in marked if n not in self._refused]
-        if "submodules" in self.candidates:
+        if any(k.inside for k in self.kinds):
             window = lambda u: (mk["f>" + u][0], mk["f<" + u][0])  # noqa: E731
-            self._repeats = repeated_inside(self.runner.model, self.units, names, calls, window, backward)
+            self.repeats = repeated_inside(self.runner.model, self.units, names, calls, window, backward)
         rest = [n for n in outside(self.runner.model, self.units) if n in names]
         self._looping = tuple(outermost_repeated(self.runner.model, rest, calls, backward))
-        shown = [f"{u}.{sub}" for u, opt in self._repeats.items() for sub in opt.split("+")]
+        shown = [f"{u}.{sub}" for u, opt in self.repeats.items() for sub in opt.split("+")]
         if shown:
             self.notes.append(
                 "modules that run more than once per step, offered checkpointed at each call: "

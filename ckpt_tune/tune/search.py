@@ -27,6 +27,7 @@ from ckpt_tune.measure.loader import Target
 from ckpt_tune.measure.session import Settings, build_runner, fake_twin, load, user_errors
 from ckpt_tune.plan.file import FULLY_SHARDED, Plan
 from ckpt_tune.tune.candidates import find_blocks
+from ckpt_tune.tune.kinds import KINDS
 from ckpt_tune.tune.search_state import HOST_LINK
 from ckpt_tune.tune.searcher import Searcher, SearchResult
 from ckpt_tune.tune.sharding import check_shard
@@ -65,21 +66,20 @@ def search(
     `target`: a target string (docs/design.md §2), a `loader.Target` whose `build_fn`, `batch_fn` and
     `loss_fn` are used as they are (its `spec` is the plan's `target`), or None with `settings.hf_config`.
     `segments`: also consider runs of consecutive blocks under one checkpoint (ckpt_tune/plan/segment.py).
-    `candidates`: the kinds of choice the planner may use (vocab.CANDIDATES; None: all).
+    `candidates`: the kinds of choice the planner may use (tune/kinds.py; None: every recompute kind).
     `fake_probes`: on a CPU or CUDA device, record the probes under fake tensors with that allocator's rules
     and run for real only steps within the budget: the user's step once, the step times and the
     verification (docs/design.md §3); False: every step real. `host_link`: bytes/s the transfers of an
     offloaded block are priced at (candidate kind "offload").
 
-    Raises CkptTuneError for offload on the CPU, where host and device are the same memory."""
+    Raises CkptTuneError for a kind refused on the device (offload on the CPU, where host and device
+    are the same memory)."""
     t0 = time.perf_counter()
     t = load(target, settings)
     device = resolve_device(settings.device)
-    if candidates is not None and "offload" in candidates and device == "cpu":
-        raise CkptTuneError(
-            "offload keeps saved tensors in host memory instead of the device's; on --device cpu they are the same memory",
-            "plan for a GPU with --device meta (or on it), or leave offload out of --candidates",
-        )
+    for kind in (KINDS[name] for name in candidates or ()):
+        if (why := kind.refusal(device)) is not None:
+            raise CkptTuneError(why, f"plan for a GPU with --device meta (or on it), or leave {kind.name} out of --candidates")
     # --device meta sizes a CUDA step: hold back the CUDA context and margin as on a GPU
     budget = parse_budget(vram, "cuda" if device == "meta" else device, margin)
     world_size, shard = check_shard(world_size, shard)

@@ -27,20 +27,18 @@ from ckpt_tune.measure.timing import Timing
 from ckpt_tune.plan.entry import Entry
 from ckpt_tune.plan.file import FULLY_SHARDED
 from ckpt_tune.plan.segment import available as segment_available
-from ckpt_tune.tune.candidates import find_blocks, find_groups, has_sub_option, outside, with_parameters
+from ckpt_tune.tune.candidates import find_blocks, find_groups, outside, with_parameters
+from ckpt_tune.tune.kinds import KINDS, RECOMPUTE, kind_of
 from ckpt_tune.tune.memory_model import (
-    OFFLOAD_OPTION,
     RunCut,
     SegmentTerms,
     Terms,
     plan_entries,
-    policy_of,
     price_out,
 )
 from ckpt_tune.tune.repeats import Repeat
 from ckpt_tune.tune.search_result import FrontierRow, SearchResult
 from ckpt_tune.tune.sharding import check_shard
-from ckpt_tune.vocab import RECOMPUTE_CANDIDATES
 
 # The host link offload's transfers are priced at, bytes/s: PCIe 4.0 x16 as a training host sees it
 # (about 25 GB/s of its 32); `search --host-link` sets another (docs/design.md §4, offload).
@@ -70,14 +68,15 @@ class SearchState:
         self.real_peaks: list[int] = []  # peaks of the real recorded steps, when probes are fake
         self.real_timed = 0  # real steps run to time the step (warm-up included), when probes are fake
         self._real_timing: Timing | None = None  # the one real timing the costs scale from, then
-        # the kinds of choice the planner may use (vocab.CANDIDATES); None: every recompute kind
-        self.candidates = frozenset(RECOMPUTE_CANDIDATES if candidates is None else candidates)
+        # the kinds of choice the planner may use (tune/kinds.py); None: every recompute kind
+        self.candidates = frozenset(RECOMPUTE if candidates is None else candidates)
+        self.kinds = [k for name, k in KINDS.items() if name in self.candidates]
         # offload (plan/offload.py): the host link its transfers are priced at (bytes/s), and each unit's
         # saved bytes per sample (measured by the ordering step)
         self.host_link = host_link
         self.offload_bytes: dict[str, float] = {}
         # also consider runs of consecutive blocks under one checkpoint (segment.py), where torch can
-        self.use_segments = segments and "segments" in self.candidates and segment_available()
+        self.use_segments = segments and any(k.runs for k in self.kinds) and segment_available()
         self.segment_keys: tuple[tuple[int, int], ...] = ()
         self.accum_steps = 1  # micro-batches per optimizer step of the iteration searched
         # caches per kind of iteration: 1 = one batch, 2 = a later micro-batch of an accumulated step
@@ -107,7 +106,7 @@ class SearchState:
         self._between = outside(runner.model, (*self.units, *self.groups)) if units is None and not self._by_calls else []
         self.spans: dict[tuple[int, int], str] = {}
         self.options: tuple[str, ...] = ("none", "block")
-        self._repeats: dict[str, str] = {}  # unit -> its repeat option (candidates.repeated_inside)
+        self.repeats: dict[str, str] = {}  # unit -> its repeat option (candidates.repeated_inside)
         self._looping: tuple[str, ...] = ()  # modules run more than once, outside every unit
         self.b1, self.b2 = 1, 4  # the two small batch sizes every search probes
         self.notes: list[str] = []
@@ -181,7 +180,7 @@ class SearchState:
         one, unless the steps are fake (order_units decides)."""
         return usable_workers(items, resident_bytes()) if self._forks and items else 1
 
-    def _refinement(self, what: str, where: str, run: Callable, instead):
+    def refinement(self, what: str, where: str, run: Callable, instead):
         """`run()`, a refinement ckpt-tune adds to the user's step (docs/design.md §8): when it raises,
         a note names it, where and the error's first line, and `instead` is used (the search goes on)."""
         try:
@@ -194,19 +193,16 @@ class SearchState:
 
     def _has(self, i: int, option: int) -> bool:
         name = self.options[option]
-        return (
-            policy_of(name) is not None or name == OFFLOAD_OPTION or self._repeats.get(self.units[i]) == name
-            or has_sub_option(self.runner.model, self.units[i], name)
-        )
+        return kind_of(name).has(self, self.units[i], name)
 
     def names(self, choice: tuple[int, ...]) -> list[Entry]:
         """Plan entries of a choice (memory_model.plan_entries)."""
         return list(plan_entries(self.units, self.options, choice, self.spans))
 
     def _restrict(self, t: Terms) -> Terms:
-        """Without the "blocks" kind, no block is checkpointed whole (its terms stay in the model:
-        segments are estimated from them)."""
-        return t if "blocks" in self.candidates else price_out(t, [1])
+        """Without a kind of whole-module choices, no block is checkpointed whole (its terms stay in
+        the model: segments are estimated from them)."""
+        return t if any(k.groups for k in self.kinds) else price_out(t, [1])
 
     def forget_measured(self) -> None:
         """The options changed: every term, cost and speculated plan numbered them as they were."""

@@ -88,7 +88,7 @@ class Searcher(Ordering, StepCosts, TermStore, EveryBlockFloor, Verdicts):
         try:
             res = self._search(budget, batch_size, b1, b2)
             if batch_size is None and self.world_size == 1 and self.accum_steps == 1 and not self.real.fake:
-                res = self._refinement("the every-block floor", "the plan", lambda: self._floor(res, budget), res)
+                res = self.refinement("the every-block floor", "the plan", lambda: self._floor(res, budget), res)
             return res
         except (torch.OutOfMemoryError, MemoryError, KeyboardInterrupt):
             raise

@@ -17,7 +17,8 @@ from ckpt_tune.measure.op_costs import policy_ratios, recompute_shares
 from ckpt_tune.measure.timing import Timing
 from ckpt_tune.plan.entry import POLICIES
 from ckpt_tune.tune.batch_search import largest
-from ckpt_tune.tune.memory_model import OFFLOAD_OPTION, policy_of, policy_option, predict
+from ckpt_tune.tune.kinds import MARK, Pricing, kind_of, policy_of
+from ckpt_tune.tune.memory_model import predict
 from ckpt_tune.tune.repeats import count_flops, extend_forward, shortened
 from ckpt_tune.tune.search_state import SearchState
 
@@ -31,25 +32,10 @@ WORTH_A_POLICY = 0.9
 REAL_ROOM = 0.02
 
 
-# What FLOPs stand for under fake tensors, where offload's transfers are priced against them: an
-# H100/H200's dense bf16 matmul throughput, FLOP/s (measure/op_costs.py prices memory-bound ops the same way).
-DEVICE_FLOPS = 990e12
-
-
-def exposed_transfer(nbytes: float, forward: float, host_link: float, unit: str) -> float:
-    """The time offloading a block adds to the step, in the timing's unit (ms, or GFLOP under fake
-    tensors): its saved bytes go to host memory while its forward runs and come back while its backward
-    (about twice the forward) runs, over a host link of `host_link` bytes/s; what the compute does not
-    hide is added. Modelled, not measured (docs/design.md §4)."""
-    seconds = nbytes / host_link
-    each_way = seconds * 1e3 if unit == "ms" else seconds * DEVICE_FLOPS / 1e9
-    return max(max(each_way - forward, 0.0) + max(each_way - 2 * forward, 0.0), 1e-6)
-
-
 class StepCosts(SearchState):
     """Costs per block and option, and the step's time, per batch (cached in `_costs`)."""
 
-    def _useful_policies(self, batch_size: int) -> list[str]:
+    def useful_policies(self, batch_size: int) -> list[str]:
         """The op policies that keep something in some block (one forward, measure/op_costs.py): a
         policy that keeps nothing is checkpointing the whole block, at the price of a recorded step."""
         shares = self._recompute_shares(batch_size, POLICIES, repeats=1)
@@ -81,7 +67,7 @@ class StepCosts(SearchState):
             if worst > WORTH_A_POLICY:
                 self.notes.append(f"op policy {p} left out: its recompute costs {worst:.2f}x checkpointing the whole block {where}")
         useful = [p for p in useful if dear[p] <= WORTH_A_POLICY]
-        return [p for p in useful if policy_option(p) not in self._dropped]
+        return [p for p in useful if MARK + p not in self._dropped]
 
     def _recompute_shares(self, batch_size: int, policies, repeats: int = 3) -> dict[tuple[str, str], float]:
         """op_costs.recompute_shares of the chain; under fake tensors, identical blocks' on the shortened
@@ -137,16 +123,11 @@ class StepCosts(SearchState):
         # in the ops it recomputes, on a roofline
         shares = self._recompute_shares(at, policies) if self.real.fake else self._ratios
 
-        def cost(u: str, k: int) -> float:
-            if self.options[k] == OFFLOAD_OPTION:  # the transfers its forward and backward do not hide
-                return exposed_transfer(self.offload_bytes.get(u, 0.0) * batch_size, scale * t.forward_ms.get(u, 0.0), self.host_link, t.unit)
-            policy = policy_of(self.options[k])
-            if policy is not None:  # the block's forward, less the ops the policy keeps
-                return scale * max(t.forward_ms.get(u, 0.0) * shares[(u, policy)], 1e-6)
-            mods = [u] if k == 1 else [f"{u}.{sub}" for sub in self.options[k].split("+")]
-            return scale * max(sum(t.forward_ms.get(x, 0.0) for x in mods), 1e-6)
-
-        costs = tuple((0.0, *(cost(u, k) for k in range(1, len(self.options)))) for u in self.units)
+        # each option's kind prices it (tune/kinds.py): a recompute, less what a policy keeps; transfers
+        pricing = Pricing(t.forward_ms, scale, t.unit, batch_size, shares, self.offload_bytes, self.host_link)
+        costs = tuple(
+            (0.0, *(kind_of(o).cost(pricing, u, o) for o in self.options[1:])) for u in self.units
+        )
         return costs, scale * t.step_ms
 
     def _time_within_budget(self, batch_size: int) -> tuple[Timing, float]:
