@@ -19,12 +19,10 @@ from pathlib import Path
 from torch import nn
 
 from ckpt_tune.errors import PlanError
-from ckpt_tune.plan.checkpoint import POLICY_ATTR, is_checkpointed, uncheckpoint
 from ckpt_tune.plan.entry import Entry, entries_of, member_names
 from ckpt_tune.plan.file import Plan, load_plan
-from ckpt_tune.plan.kinds import KINDS, Action
-from ckpt_tune.plan.offload import is_offloaded, restore
-from ckpt_tune.plan.segment import SEGMENT_ATTR, is_segment
+from ckpt_tune.plan.kinds import KINDS
+from ckpt_tune.plan.segment import is_segment
 
 log = logging.getLogger(__name__)
 
@@ -33,15 +31,8 @@ _SAVED_CACHE_ATTR = "_ckpt_tune_use_cache_off"
 
 
 def _wrapped_as(module: nn.Module) -> str | None:
-    """How a module of ours is wrapped, in a kind's words (`Kind.state`), or None."""
-    if SEGMENT_ATTR in module.__dict__:
-        return KINDS[Action.SEGMENT].state(None)
-    if is_offloaded(module):
-        return KINDS[Action.OFFLOAD].state(None)
-    if is_checkpointed(module):
-        policy = module.__dict__.get(POLICY_ATTR)
-        return KINDS[Action.SELECTIVE if policy else Action.CHECKPOINT].state(policy)
-    return None
+    """How a module of ours is wrapped, in its kind's words (`Kind.state`), or None."""
+    return next((s for kind in KINDS.values() if (s := kind.state_of(module)) is not None), None)
 
 
 def _is_wrapped(module: nn.Module) -> bool:
@@ -203,9 +194,7 @@ def remove(model: nn.Module) -> None:
     """Undo `apply` (or the patch snippet): restore every wrapped module's original forward, and the
     `use_cache` settings `apply` turned off."""
     for module in model.modules():
-        if SEGMENT_ATTR in module.__dict__:
-            module.__dict__[SEGMENT_ATTR][0].unwrap()  # all its blocks, and its hook on the model
-        restore(module)
-        uncheckpoint(module)
+        for kind in KINDS.values():
+            kind.undo(module)
     for config in model.__dict__.pop(_SAVED_CACHE_ATTR, []):
         config.use_cache = True

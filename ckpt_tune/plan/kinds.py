@@ -73,12 +73,14 @@ class Kind:
         runtime: the modules of `ckpt_tune.plan` its wrapper needs, in the order the snippet embeds them.
         comment: what the plan file says beside an entry of this kind ("" for none).
         cost: what the step pays for it, as the patch snippet's header names it.
+        whole: it checkpoints one module whole, as Hugging Face's per-layer switch does.
     """
 
     action: Action
     runtime: tuple[str, ...]
     comment = ""
     cost = "recompute"
+    whole = False
 
     def parse(self, value: Any) -> Parts | None:
         """The entry's fields from a data form of this kind, None for a form of another kind."""
@@ -106,9 +108,20 @@ class Kind:
     def call(self, modules: tuple[str, ...], policy: str | None) -> Call:
         raise NotImplementedError
 
+    def state_of(self, module) -> str | None:
+        """`state(...)` when `module` is wrapped as an entry of this kind, else None."""
+        raise NotImplementedError
+
+    def undo(self, module) -> None:
+        """Unwrap `module` if it is wrapped as an entry of this kind (a segment: all its blocks)."""
+        raise NotImplementedError
+
+    def _runtime(self):
+        return importlib.import_module(f"ckpt_tune.plan.{self.runtime[-1]}")
+
 
 class Checkpoint(Kind):
-    action, runtime = Action.CHECKPOINT, ("checkpoint",)
+    action, runtime, whole = Action.CHECKPOINT, ("checkpoint",), True
 
     def parse(self, value):
         return ((value,), None) if isinstance(value, str) else None
@@ -124,6 +137,13 @@ class Checkpoint(Kind):
 
     def call(self, modules, policy):
         return Call("checkpoint", "checkpoint", modules[0])
+
+    def state_of(self, module):
+        rt = self._runtime()
+        return self.state(None) if rt.is_checkpointed(module) and rt.POLICY_ATTR not in module.__dict__ else None
+
+    def undo(self, module):
+        self._runtime().uncheckpoint(module)
 
 
 class Segment(Kind):
@@ -158,6 +178,14 @@ class Segment(Kind):
 
     def call(self, modules, policy):
         return Call("segment", "checkpoint_segment", None, (modules,))
+
+    def state_of(self, module):
+        return self.state(None) if self._runtime().SEGMENT_ATTR in module.__dict__ else None
+
+    def undo(self, module):
+        mark = module.__dict__.get(self._runtime().SEGMENT_ATTR)
+        if mark is not None:
+            mark[0].unwrap()  # all its blocks, and its hook on the model
 
 
 class Selective(Kind):
@@ -200,6 +228,14 @@ class Selective(Kind):
     def call(self, modules, policy):
         return Call("checkpoint", "checkpoint", modules[0], keywords=(("policy", policy),))
 
+    def state_of(self, module):
+        rt = self._runtime()
+        policy = module.__dict__.get(rt.POLICY_ATTR)
+        return self.state(policy) if rt.is_checkpointed(module) and policy is not None else None
+
+    def undo(self, module):
+        self._runtime().uncheckpoint(module)
+
 
 class Offload(Kind):
     action, runtime = Action.OFFLOAD, ("offload",)
@@ -224,6 +260,12 @@ class Offload(Kind):
 
     def call(self, modules, policy):
         return Call("offload", "offload", modules[0])
+
+    def state_of(self, module):
+        return self.state(None) if self._runtime().is_offloaded(module) else None
+
+    def undo(self, module):
+        self._runtime().restore(module)
 
 
 # The registry, in the order a data form is tried (a plain name, the last resort, is a checkpoint).

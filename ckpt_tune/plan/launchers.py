@@ -28,7 +28,7 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ckpt_tune.plan.entry import Action, Entry
+from ckpt_tune.plan.entry import Entry
 from ckpt_tune.plan.file import FULLY_SHARDED, Plan
 from ckpt_tune.units import format_bytes
 from ckpt_tune.vocab import known
@@ -161,7 +161,7 @@ def _whole_blocks(plan: Plan, blocks: tuple[str, ...], every, op: bool, noun: st
         return _Layout(), []
     if not blocks:
         return _Layout(), [f"any checkpoint: the model has no repeated {noun}s to switch"]
-    selective = [e for e in plan.checkpoint if e.action is Action.SELECTIVE]
+    selective = [e for e in plan.checkpoint if e.policy is not None]
     if op and len(selective) == len(plan.checkpoint) and sorted(e.modules[0] for e in selective) == sorted(blocks):
         cannot = []
         policies = sorted({e.policy for e in selective} - {TORCHTITAN_OP_POLICY})
@@ -192,7 +192,7 @@ def _kinds(entries: tuple[Entry, ...], blocks: tuple[str, ...], noun: str) -> li
     """What of `entries` a launcher that checkpoints whole blocks one by one cannot express."""
     found: dict[str, list[str]] = {}
     for e in entries:
-        if e.action is Action.SELECTIVE:
+        if e.policy is not None:
             found.setdefault(f"op policies, checkpointed as their whole {noun}", []).append(e.label)
         elif e.is_segment:
             found.setdefault(f"segments (one checkpoint over a run of {noun}s), checkpointed {noun} by {noun}", []).append(e.label)

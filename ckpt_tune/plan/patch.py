@@ -17,7 +17,7 @@ import re
 
 from ckpt_tune.plan.file import Plan
 from ckpt_tune.plan.finetune import peft_code
-from ckpt_tune.plan.kinds import KINDS, Action
+from ckpt_tune.plan.kinds import KINDS
 from ckpt_tune.plan.shard import ENGINES, MIXED
 from ckpt_tune.units import format_bytes
 
@@ -195,13 +195,13 @@ def patch_snippet(plan: Plan, *, hf: bool = False) -> str:
             f"# The plan was measured with {plan.peft.method} ({plan.peft.describe()}); build `model` this way:",
             *(f"#   {code_line}".rstrip() for code_line in peft_code(plan.peft).splitlines()),
         ]
-    kinds = {e.kind for e in plan.checkpoint}
     # Hugging Face's per-layer switch checkpoints one layer whole: nothing of another kind
-    hf = hf and kinds <= {KINDS[Action.CHECKPOINT]}
+    hf = hf and all(e.kind.whole for e in plan.checkpoint)
     names = "[" + "".join(f"\n    {json.dumps(e.to_data())}," for e in plan.checkpoint) + ("\n]" if plan.checkpoint else "]")
     calls = "".join(f"    {e.call().source()}\n" for e in plan.checkpoint)
     # the HF form falls back to the plain wrapper, and its own code needs torch: checkpoint.py always
-    runtime = [*KINDS[Action.CHECKPOINT].runtime * hf, *(r for e in plan.checkpoint for r in e.kind.runtime)]
+    whole = next(k for k in KINDS.values() if k.whole)
+    runtime = [*whole.runtime * hf, *(r for e in plan.checkpoint for r in e.kind.runtime)]
     body = "".join(_module_source(r, set(runtime)) for r in dict.fromkeys(runtime))
     body += _SNIPPET_APPLY.replace("{function}", "_apply_plain" if hf else "apply_checkpointing").replace("{calls}", calls)
     if hf:
