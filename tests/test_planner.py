@@ -164,3 +164,33 @@ def test_the_bound_from_thinned_fronts_keeps_the_optimum(seed):
         best = min(ends, key=lambda s: (s[1], s[2], planner._checkpointed(s[3])))
         sol = solve(t, costs, budget)
         assert (sol.choice, sol.cost, sol.peak) == (best[3], best[1], t.static + t.base + best[2])
+
+
+def test_the_plan_verify_loop_tightens_resolves_and_gives_up() -> None:
+    """verify.plan_and_verify, the loop of search and diagnose, over a planner that answers a plan
+    predicted at the room (its choice: the solve's number)."""
+    from ckpt_tune.tune.planner import Solution
+    from ckpt_tune.tune.verify import MAX_TIGHTENINGS, plan_and_verify
+
+    rooms: list[int] = []
+
+    def solve_in(room: int) -> Solution:
+        rooms.append(room)
+        return Solution(choice=(len(rooms),), peak=room, cost=0.0)
+
+    # every run 10 over the budget: tightened MAX_TIGHTENINGS times, then given up
+    assert plan_and_verify(solve_in, 100, lambda s: (110, None)) is None
+    assert rooms == [100 - 10 * i for i in range(MAX_TIGHTENINGS)]
+    # the second run fits: its plan and what the run returned
+    rooms.clear()
+    sol, out = plan_and_verify(solve_in, 100, lambda s: (110 - 20 * (s.choice == (2,)), s.choice))
+    assert (sol.choice, out, rooms) == ((2,), (2,), [100, 90])
+    # a run that learned something (None): solved again in the same room, not tightened
+    rooms.clear()
+    found = plan_and_verify(solve_in, 100, lambda s: None if s.choice == (1,) else (s.peak, "ok"), room=95)
+    assert (found[1], rooms) == ("ok", [95, 95])
+    # max_solves bounds every solve, re-solves included; no plan within the room: None at once
+    rooms.clear()
+    assert plan_and_verify(solve_in, 100, lambda s: None, max_solves=5) is None
+    assert len(rooms) == 5
+    assert plan_and_verify(lambda room: None, 100, lambda s: (0, None)) is None

@@ -29,7 +29,7 @@ from ckpt_tune.tune.search_state import first_line
 from ckpt_tune.tune.step_costs import StepCosts
 from ckpt_tune.tune.terms import TermStore
 from ckpt_tune.tune.verdicts import Verdicts
-from ckpt_tune.tune.verify import MAX_TIGHTENINGS, tighten
+from ckpt_tune.tune.verify import plan_and_verify
 from ckpt_tune.units import format_bytes
 
 __all__ = ["FrontierRow", "SearchResult", "Searcher"]
@@ -42,7 +42,7 @@ ONE_SAMPLE_FAILS = "more than 1 value per channel"
 # Plans with estimated segment terms verified per batch before segments not yet measured are dropped.
 SEGMENT_TRIALS = 4
 # Solves per batch in the plan-verify loop (tightenings, segment trials, dropped refinements together)
-# before the batch is taken as not fitting and the search tries one smaller, as after MAX_TIGHTENINGS.
+# before the batch is taken as not fitting and the search tries one smaller, as after verify.MAX_TIGHTENINGS.
 SOLVES_PER_BATCH = 4 * 8
 
 
@@ -152,19 +152,25 @@ class Searcher(Ordering, StepCosts, TermStore, EveryBlockFloor, Verdicts):
             b = self._settle(guess, budget, b1, b2)
         else:
             b = batch_size
-        room, tightened = budget, 0
-        verified: dict[tuple[int, ...], int] = {}  # choice -> its measured peak, at batch b
-        trials = solves = 0
-        # every pass solves at b, or gives b up; a batch has at most SOLVES_PER_BATCH solves and b only
-        # goes down, so the loop ends: with a verified plan, or no-fit at the smallest batch (or the given one)
         while True:
-            sol = solve(self.terms(b), self.costs(b), room)
-            if sol is None or tightened >= MAX_TIGHTENINGS or solves >= SOLVES_PER_BATCH:
-                if batch_size is None and b > b1:  # this batch does not fit after all: one smaller
-                    b, room, tightened, verified, trials, solves = b - 1, budget, 0, {}, 0, 0
-                    continue
-                raise self._no_fit(budget, b, verified)
-            solves += 1
+            found, verified = self._plan_at(b, budget)
+            if found is not None:
+                return self._reported(b, *found, budget)
+            if batch_size is None and b > b1:  # this batch does not fit after all: one smaller
+                b -= 1
+                continue
+            raise self._no_fit(budget, b, verified)
+
+    def _plan_at(self, b: int, budget: int) -> tuple[tuple[Solution, tuple[int, bool]] | None, dict]:
+        """The plan-verify loop at batch b (verify.py), with what a search adds to a plan's run: a plan
+        verified alongside the probes is not run again; one that fails is solved again without the
+        refinements it used; one with estimated segment terms is solved again on the terms its run
+        measured. ((solution, (verified peak, solved again after its run)) or None, {choice: peak})."""
+        verified: dict[tuple[int, ...], int] = {}  # choice -> its measured peak, at batch b
+        trials = 0
+
+        def run(sol: Solution) -> tuple[int, tuple[int, bool]] | None:
+            nonlocal trials
             rerun = sol.choice in verified  # solved again after its own run, on terms learned from it
             if not rerun:
                 self._first_predicted.setdefault((b, sol.choice), sol.peak)
@@ -180,27 +186,31 @@ class Searcher(Ordering, StepCosts, TermStore, EveryBlockFloor, Verdicts):
                 except Exception as e:
                     if not self._drop_refinements(sol.choice, e):
                         raise
-                    continue
+                    return None
                 if estimated:
                     # the segments' terms are measured now: solve again on them before trusting the plan
                     trials += 1
                     if trials >= SEGMENT_TRIALS:
                         self.drop_estimated_segments(b)
-                    continue
-            peak = verified[sol.choice]
-            if peak <= budget:
-                res = self._result(b, sol, peak, budget)
-                res.first_predicted_peak = self._first_predicted.get((b, sol.choice), sol.peak)
-                res.resolved = rerun and res.first_predicted_peak != sol.peak
-                if res.resolved:
-                    res.notes.append(
-                        f"predicted at {format_bytes(res.first_predicted_peak)} before its first run, where its "
-                        f"segments' terms were estimated; solved again on the terms that run measured: "
-                        f"{format_bytes(res.predicted_peak)}, the plan file's predicted_peak_bytes"
-                    )
-                return res
-            room = tighten(room, sol.peak, peak, budget)  # the model was optimistic here
-            tightened += 1
+                    return None
+            return verified[sol.choice], (verified[sol.choice], rerun)
+
+        solve_in = lambda room: solve(self.terms(b), self.costs(b), room)  # noqa: E731
+        return plan_and_verify(solve_in, budget, run, max_solves=SOLVES_PER_BATCH), verified
+
+    def _reported(self, b: int, sol: Solution, verified: tuple[int, bool], budget: int) -> SearchResult:
+        """The result for the plan verified at b, with the prediction made before its first run."""
+        peak, rerun = verified
+        res = self._result(b, sol, peak, budget)
+        res.first_predicted_peak = self._first_predicted.get((b, sol.choice), sol.peak)
+        res.resolved = rerun and res.first_predicted_peak != sol.peak
+        if res.resolved:
+            res.notes.append(
+                f"predicted at {format_bytes(res.first_predicted_peak)} before its first run, where its "
+                f"segments' terms were estimated; solved again on the terms that run measured: "
+                f"{format_bytes(res.predicted_peak)}, the plan file's predicted_peak_bytes"
+            )
+        return res
 
     def _drop_refinements(self, choice: tuple[int, ...], error: BaseException) -> bool:
         """A plan failed when run: drop what it used beyond checkpointing whole blocks (its segments,

@@ -1,9 +1,10 @@
-"""Solve, run the plan, and tighten when it overshoots: the plan-verify loop (docs/design.md §4).
+"""Solve, run the plan, and tighten when it overshoots: the plan-verify loop (docs/design.md §4), the
+one that `search` (tune/searcher.py, at each batch) and `diagnose` (diagnosis/) use.
 
 The memory model can be optimistic where its additivity assumptions do not hold (a sub-module option
 beside its predecessor, a segment's estimated terms). A plan is therefore reported as fitting only
 once a recorded run says so; when it overshoots, the room given to the planner shrinks by the
-overshoot and the planner runs again, at most MAX_TIGHTENINGS times.
+overshoot and the planner runs again, after at most MAX_TIGHTENINGS tightenings.
 """
 
 from __future__ import annotations
@@ -20,25 +21,42 @@ R = TypeVar("R")
 
 
 def plan_and_verify(
-    terms: Terms,
-    costs: tuple[tuple[float, ...], ...],
+    solve_in: Callable[[int], Solution | None],
     budget: int,
-    run: Callable[[Solution], tuple[int, R]],
+    run: Callable[[Solution], tuple[int, R] | None],
     room: int | None = None,
+    max_solves: int | None = None,
 ) -> tuple[Solution, R] | None:
     """The cheapest plan whose recorded peak fits `budget`, and what `run` returned for it; None when the
-    planner finds nothing within the (tightened) room. `run(solution)` records the plan and returns
-    (its peak in bytes, anything the caller wants back). `room` starts the planner below the budget."""
+    planner finds nothing within the (tightened) room, after MAX_TIGHTENINGS tightenings or after
+    `max_solves` solves.
+
+    `solve_in(room)` solves for the cheapest plan predicted within `room` (on the terms as they are
+    now); `run(solution)` records the plan and returns (its peak in bytes, anything the caller wants
+    back), or None when it learned something that changes the terms (the plan is solved again, the
+    room as it was). `room` starts the planner below the budget.
+    """
     room = budget if room is None else room
-    for _ in range(MAX_TIGHTENINGS + 1):
-        sol = solve(terms, costs, room)
+    tightened = solves = 0
+    while tightened < MAX_TIGHTENINGS and (max_solves is None or solves < max_solves):
+        sol = solve_in(room)
         if sol is None:
             return None
-        peak, out = run(sol)
+        solves += 1
+        ran = run(sol)
+        if ran is None:
+            continue
+        peak, out = ran
         if peak <= budget:
             return sol, out
         room = tighten(room, sol.peak, peak, budget)
+        tightened += 1
     return None
+
+
+def solving(terms: Terms, costs: tuple[tuple[float, ...], ...]) -> Callable[[int], Solution | None]:
+    """`solve_in` for fixed terms and costs (what a diagnosis plans on)."""
+    return lambda room: solve(terms, costs, room)
 
 
 def tighten(room: int, predicted: int, measured: int, budget: int) -> int:
