@@ -30,6 +30,7 @@ run benchmarks/speed.py
 run benchmarks/nested.py
 run benchmarks/zoo.py
 run benchmarks/large_model.py
+run benchmarks/same_plans.py
 # written by other changes: run where they exist
 for extra in benchmarks/ops.py benchmarks/sharded.py benchmarks/peft_archs.py benchmarks/qlora.py; do
     if [[ -f "$extra" ]]; then run "$extra"; fi

@@ -6,8 +6,8 @@ on timing noise, so the same search code gives the same plan, batch and peaks to
 differs is a change in what the search answers (the table says which field); a revision that cannot run a
 case (a kind of choice it did not have yet) says so.
 
-    .venv/bin/python benchmarks/same_plans.py --before 884e396 e178832   # -> results/same_plans.json, .md
-    .venv/bin/python benchmarks/same_plans.py --before HEAD~1 --cases gpt_200   # prints, writes nothing
+    .venv/bin/python benchmarks/same_plans.py                  # against REFERENCES -> results/same_plans.json, .md
+    .venv/bin/python benchmarks/same_plans.py --before HEAD~1 --cases gpt_1g   # prints, writes nothing
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ CASES = [
     ("hf_gpt2_1.5g", "examples/hf_gpt2.py:build", "1.5GiB", "all"),
     ("hf_gpt2_3g", "examples/hf_gpt2.py:build", "3GiB", "all"),
 ]
+# 884e396: the last revision before the search was split into parts and the kinds of choice registered;
+# 9f462e0: the first with offload (the cases that offer it are compared with it)
+REFERENCES = ("884e396", "9f462e0")
 FIELDS = ("batch_size", "checkpoint", "predicted_peak_bytes", "verified_peak_bytes", "predicted_recompute_fraction")
 
 
@@ -86,7 +89,7 @@ def compare(rows: dict[str, dict], names: list[str]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--before", nargs="+", required=True, help="revisions to compare the working tree with")
+    ap.add_argument("--before", nargs="+", default=list(REFERENCES), help="revisions to compare the working tree with")
     ap.add_argument("--cases", nargs="*", choices=[c[0] for c in CASES], default=[c[0] for c in CASES])
     args = ap.parse_args()
     cases = [c for c in CASES if c[0] in args.cases]
@@ -120,10 +123,10 @@ def main() -> None:
         md_table(["case", "target", "--vram", "--candidates", "batch", "verified peak (bytes)", "against the earlier revision"], rows),
     ]
     print("\n".join(body))
-    if args.cases == [c[0] for c in CASES]:
+    if args.cases == [c[0] for c in CASES] and args.before == list(REFERENCES):
         write_results("same_plans", "Same plans across revisions (search --device meta)",
                       {"revisions": revs, "fields": FIELDS, "cases": {n: {"target": t, "vram": v, "candidates": c} for n, t, v, c in cases},
-                       "results": results, "verdicts": verdicts, "same": same}, "\n".join(body))
+                       "results": results, "verdicts": verdicts, "same": same, "total": len(cases)}, "\n".join(body))
 
 
 if __name__ == "__main__":
