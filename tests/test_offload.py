@@ -148,3 +148,19 @@ def test_offload_on_the_cpu_is_refused(run) -> None:
     assert "Traceback" not in err
     with pytest.raises(CkptTuneError):
         search(GPT, vram="100MiB", settings=Settings(device="cpu"), candidates=frozenset({"offload"}))
+
+
+def test_a_larger_batch_by_offload_is_not_taken_where_it_trains_slower() -> None:
+    """Offload's transfers are not bounded by a forward: on this small model they fit one more sample
+    at a step hundreds of times slower. With the batch free, the search compares with the recompute
+    kinds alone and reports the plan that trains more samples per second."""
+    budget = 200 << 20
+    kw = dict(vram=str(budget + (768 << 20)), margin="0", settings=META)
+    both = search(GPT, candidates=frozenset({"blocks", "segments", "offload"}), **kw).result
+    recompute = search(GPT, candidates=frozenset({"blocks", "segments"}), **kw).result
+    assert (both.batch_size, both.checkpoint) == (recompute.batch_size, recompute.checkpoint)
+    assert not any(e.action is Action.OFFLOAD for e in both.checkpoint)
+    note = next(n for n in both.notes if n.startswith("with offload: batch "))
+    offload_batch = int(note.split("batch ")[1].split()[0])
+    assert offload_batch > both.batch_size  # it did fit a larger batch, and was not taken
+    assert "Reported: the one that trains more samples per second" in note

@@ -86,7 +86,7 @@ def search(
     elapsed = time.perf_counter() - t0
     plan_yaml = plan_to_yaml(outcome.plan)
     snippet = patch_snippet(outcome.plan, hf=outcome.is_hf)
-    report.render_search(outcome, plan_yaml, snippet, elapsed)
+    report.render_search(outcome, plan_yaml, patch_snippet(outcome.plan, hf=outcome.is_hf, embed=False), elapsed)
     options.say_attention(hf_config, attn, seq_len)
     # measured before any file is written: a failing step leaves the user's files as they were
     emitted = _emit(outcome.plan, launcher, target, settings) if launcher else None

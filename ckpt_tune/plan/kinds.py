@@ -74,6 +74,8 @@ class Kind:
         comment: what the plan file says beside an entry of this kind ("" for none).
         cost: what the step pays for it, as the patch snippet's header names it.
         whole: it checkpoints one module whole, as Hugging Face's per-layer switch does.
+        recomputes: what it adds to the step is a recompute (at most a forward); False for offload,
+            whose transfers are modelled and not bounded by the compute.
     """
 
     action: Action
@@ -81,6 +83,7 @@ class Kind:
     comment = ""
     cost = "recompute"
     whole = False
+    recomputes = True
 
     def parse(self, value: Any) -> Parts | None:
         """The entry's fields from a data form of this kind, None for a form of another kind."""
@@ -240,7 +243,7 @@ class Selective(Kind):
 class Offload(Kind):
     action, runtime = Action.OFFLOAD, ("offload",)
     comment = "saved tensors kept in host memory"
-    cost = "host transfers (modelled)"
+    cost, recomputes = "host transfers (modelled)", False
 
     def parse(self, value):
         if isinstance(value, str):

@@ -160,13 +160,14 @@ def sharding_snippet(plan: Plan) -> str:
     )
 
 
-def patch_snippet(plan: Plan, *, hf: bool = False) -> str:
+def patch_snippet(plan: Plan, *, hf: bool = False, embed: bool = True) -> str:
     """Python source to paste into a training script after the model is built: it checkpoints the
     plan's modules exactly as `ckpt_tune.apply` does, with torch only (no ckpt_tune import), and for a
     plan of several ranks then shards the model as `ckpt_tune.shard` does (`sharding_snippet`).
 
     `hf=True` uses Hugging Face's per-layer switch when every planned module is a
-    GradientCheckpointingLayer, and the plain wrapper otherwise.
+    GradientCheckpointingLayer, and the plain wrapper otherwise. `embed=False`: each embedded runtime
+    module as one comment line (what a terminal shows; the snippet to paste embeds them).
     """
     per_step = plan.batch_size * plan.grad_accum_steps
     costs = list(dict.fromkeys(["recompute", *(e.kind.cost for e in plan.checkpoint)]))
@@ -202,11 +203,16 @@ def patch_snippet(plan: Plan, *, hf: bool = False) -> str:
     # the HF form falls back to the plain wrapper, and its own code needs torch: checkpoint.py always
     whole = next(k for k in KINDS.values() if k.whole)
     runtime = [*whole.runtime * hf, *(r for e in plan.checkpoint for r in e.kind.runtime)]
-    body = "".join(_module_source(r, set(runtime)) for r in dict.fromkeys(runtime))
+    body = "".join(_module_source(r, set(runtime)) if embed else _module_line(r) for r in dict.fromkeys(runtime))
     body += _SNIPPET_APPLY.replace("{function}", "_apply_plain" if hf else "apply_checkpointing").replace("{calls}", calls)
     if hf:
         body += _SNIPPET_HF.replace("{names}", names)
     return "\n".join(header) + "\n" + body + "\n\nmodel = apply_checkpointing(model)\n" + sharding_snippet(plan)
+
+
+def _module_line(name: str) -> str:
+    lines = len(_module_source(name, set()).splitlines())
+    return f"\n# ckpt_tune/plan/{name}.py, verbatim: {lines} lines in the snippet --patch writes\n"
 
 
 _IMPORT_OURS = re.compile(r"^from ckpt_tune\.plan\.(\w+) import (.+)$", re.MULTILINE)

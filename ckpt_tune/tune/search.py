@@ -91,20 +91,26 @@ def search(
         fixed = None
     with user_errors("searching"), runner, contextlib.ExitStack() as stack:
 
-        def searcher_over(probe_runner, real=None) -> Searcher:
-            return Searcher(
-                probe_runner, progress=progress, world_size=world_size, shard=shard, segments=segments,
-                candidates=candidates, real=real, host_link=host_link,
-            )
+        def searched(kinds: frozenset[str] | None) -> tuple[Searcher, SearchResult]:
+            def searcher_over(probe_runner, real=None) -> Searcher:
+                return Searcher(
+                    probe_runner, progress=progress, world_size=world_size, shard=shard, segments=segments,
+                    candidates=kinds, real=real, host_link=host_link,
+                )
 
-        searcher, res, why = None, None, None
-        if fake_probes and device in ("cpu", "cuda") and world_size == 1:
-            searcher, res, why = _fake_probed(lambda: searcher_over(stack.enter_context(fake_twin(t, step)), runner), budget.usable_bytes, fixed)
-        if res is None:
-            searcher = searcher_over(runner)
-            res = searcher.search(budget.usable_bytes, batch_size=fixed)
-            if why is not None:
-                res.notes.append(f"every probe ran on the device: under fake tensors {why}")
+            searcher, res, why = None, None, None
+            if fake_probes and device in ("cpu", "cuda") and world_size == 1:
+                searcher, res, why = _fake_probed(lambda: searcher_over(stack.enter_context(fake_twin(t, step)), runner), budget.usable_bytes, fixed)
+            if res is None:
+                searcher = searcher_over(runner)
+                res = searcher.search(budget.usable_bytes, batch_size=fixed)
+                if why is not None:
+                    res.notes.append(f"every probe ran on the device: under fake tensors {why}")
+            return searcher, res
+
+        searcher, res = searched(candidates)
+        if fixed is None and not all(e.kind.recomputes for e in res.checkpoint):
+            searcher, res = _faster_of(searched, candidates, searcher, res)
         if target_batch is not None:
             res = _fit_target_batch(searcher, res, target_batch, budget.usable_bytes)
         b1, b2 = searcher.b1, searcher.b2
@@ -158,6 +164,25 @@ def _fake_probed(make: Callable[[], Searcher], budget: int, batch_size: int | No
             return None, None, err.message
         first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
         return None, None, f"the search failed ({type(e).__name__}: {first})".replace(": )", ")")
+
+
+def _faster_of(searched, candidates: frozenset[str], searcher: Searcher, res: SearchResult) -> tuple[Searcher, SearchResult]:
+    """A plan with kinds that do not recompute (offload: modelled transfers, not bounded by a forward)
+    may reach a larger batch at a step many times slower: searched again with the recompute kinds only,
+    the plan that trains more samples per second (batch / predicted step time) is reported."""
+    try:
+        other = searched(frozenset(k for k in candidates if KINDS[k].recompute))
+    except NoFitError:
+        return searcher, res
+    rate = lambda r: r.batch_size / (1 + r.recompute_fraction)  # noqa: E731
+    kept, dropped = (other, res) if rate(other[1]) >= rate(res) else ((searcher, res), other[1])
+    kinds = ", ".join(sorted(set(candidates) - {k for k in candidates if KINDS[k].recompute}))
+    kept[1].notes.append(
+        f"with {kinds}: batch {res.batch_size} at a step {1 + res.recompute_fraction:.2f}x the plain one; "
+        f"without: batch {other[1].batch_size} at {1 + other[1].recompute_fraction:.2f}x. Reported: the one that trains "
+        f"more samples per second (batch {kept[1].batch_size}; the other's plan was {', '.join(e.label for e in dropped.checkpoint) or 'nothing'})"
+    )
+    return kept
 
 
 def _fit_target_batch(searcher: Searcher, res: SearchResult, want: int, budget: int) -> SearchResult:
