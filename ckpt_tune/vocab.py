@@ -145,3 +145,23 @@ _PART_LABELS = {
     Part.OTHER: "batch, logits/loss, temporaries",
 }
 PARTS = tuple(p.value for p in Part)
+
+
+@dataclass(frozen=True)
+class Parts:
+    """A step's memory at one moment, in its five parts (`Part`): every breakdown is one (the profile's
+    at its peak, a baseline's, a moment of the iteration). The parts add up to `total` exactly."""
+
+    params: int  # parameters and buffers
+    grads: int  # gradients live at that moment
+    optimizer: int  # optimizer state
+    activations: int  # tensors saved for backward, live at that moment
+    other: int  # batch, logits and loss, temporaries, kernel scratch: what no part above owns
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.other
+
+    def items(self) -> tuple[tuple[Part, int], ...]:
+        """(part, bytes) in `Part`'s order."""
+        return tuple((p, getattr(self, p.value)) for p in Part)

@@ -28,8 +28,9 @@ import yaml
 from ckpt_tune import Settings
 from ckpt_tune import gate as ck
 from ckpt_tune.errors import BaselineError, RegressionError
-from ckpt_tune.measure.profiler import Breakdown, ModuleRecord, StepProfile
+from ckpt_tune.measure.profiler import ModuleRecord, StepProfile
 from ckpt_tune.plan.file import Plan, write_plan
+from ckpt_tune.vocab import Parts
 from tests.fixtures.models import LinearStack
 
 FP32 = 4
@@ -100,7 +101,7 @@ def test_first_run_records_a_baseline_with_the_hand_counted_bytes(run, target, t
     assert b.unattributed_activation_bytes == B * OUT * FP32 == 64
     assert b.param_bytes == b.grad_bytes == param_bytes(W) == 2704
     assert b.activation_total_bytes == 256 + 512 + 512 + 64
-    assert sum(b.breakdown.values()) == b.peak_bytes
+    assert b.breakdown.total == b.peak_bytes
     assert b.settings == ck.CheckSettings(batch_size=B, precision="fp32", optimizer="adamw", device="cpu")
     assert b.torch_version == torch.__version__
     assert b.target == target
@@ -277,7 +278,7 @@ def make_baseline(**changes) -> ck.Baseline:
         settings=ck.CheckSettings(batch_size=8, precision="fp32", optimizer="adamw", device="cpu"),
         peak_bytes=1000,
         reserved_bytes=None,
-        breakdown={"params": 100, "grads": 100, "optimizer": 200, "activations": 500, "other": 100},
+        breakdown=Parts(params=100, grads=100, optimizer=200, activations=500, other=100),
         param_bytes=100,
         grad_bytes=100,
         optimizer_bytes=200,
@@ -401,7 +402,7 @@ def make_profile(peak: int = 1000, modules: dict[str, int] | None = None, **chan
         measured_by="allocator events",
         peak_bytes=peak,
         peak_phase="backward",
-        breakdown=Breakdown(100, 100, 200, 500, peak - 900),
+        breakdown=Parts(100, 100, 200, 500, peak - 900),
         param_bytes=100,
         grad_bytes=100,
         optimizer_bytes=200,

@@ -318,7 +318,7 @@ def test_sharding_stays_arithmetic_where_the_engine_cannot_run_and_no_second_gro
     from ckpt_tune.measure.runner import StepSettings
     from ckpt_tune.tune.sharding import Moment
 
-    pk = Moment("backward", "backward: blocks.1", 1.0, 10, 10, 20, 30, 5)
+    pk = Moment(10, 10, 20, 30, 5, "backward", "backward: blocks.1", 1.0)
     study = SimpleNamespace(
         step=StepSettings("cuda"), b=8, runner=SimpleNamespace(), usable=100, gathered=4, notes=[], remedies=[],
         shard_choices=[remedies.ShardChoice(stage, 4, pk, (), 0.0, None) for stage in ("zero1", "zero3")],

@@ -55,7 +55,7 @@ def test_check_shard_needs_both_flags():
 
 
 def moment(phase, params=P, grads=0, optimizer=OPT, activations=0, other=0, modules=()):
-    return Moment(phase, phase, 0.0, params, grads, optimizer, activations, other, modules)
+    return Moment(params, grads, optimizer, activations, other, phase, phase, 0.0, modules)
 
 
 def test_shard_moment_gathers_one_unit_in_forward_and_backward_only():

@@ -236,7 +236,7 @@ def render_check(result, top: int = 10) -> None:
         err.print(_peak_table(result))
     elif result.recorded is not None:
         b = result.recorded.breakdown
-        err.print("at the peak: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in b.items()))
+        err.print("at the peak: " + ", ".join(f"{p.value} {format_bytes(n)}" for p, n in b.items()))
     if result.modules:
         grew = sum(r.delta > 0 for r in result.modules)
         err.print(

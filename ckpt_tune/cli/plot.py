@@ -138,7 +138,7 @@ def _timeline(ax: Any, prof: StepProfile, budget: int | None, title: bool = True
     ph = {k: v * scale for k, v in (prof.phases or {}).items()}
     t_end = max(xs[-1], ph.get("step", 0.0)) or 1.0
     b = prof.breakdown
-    at_peak = {Part.PARAMS: b.params, Part.GRADS: b.grads, Part.OPTIMIZER: b.optimizer, Part.ACTIVATIONS: b.activations, Part.OTHER: b.other}
+    at_peak = dict(b.items())
     series = part_series(prof)
     if series is None:  # the static parts are constant over the step; the rest is drawn as one band
         static = prof.param_bytes + prof.optimizer_bytes

@@ -23,7 +23,7 @@ from ckpt_tune.plan import finetune
 from ckpt_tune.plan.entry import Entry, plain
 from ckpt_tune.plan.finetune import PeftSpec
 from ckpt_tune.units import format_bytes
-from ckpt_tune.vocab import DEVICES, OPTIMIZERS, PARTS, PRECISIONS, SHARDS, device_kind
+from ckpt_tune.vocab import DEVICES, OPTIMIZERS, PARTS, PRECISIONS, SHARDS, Parts, device_kind
 
 if TYPE_CHECKING:
     from ckpt_tune.measure.profiler import StepProfile
@@ -57,7 +57,7 @@ class Baseline:
     settings: CheckSettings
     peak_bytes: int  # largest live bytes of the iteration (CUDA: max_memory_allocated)
     reserved_bytes: int | None  # CUDA: max_memory_reserved; None elsewhere
-    breakdown: dict[str, int]  # BREAKDOWN_KEYS: what was live at the peak moment
+    breakdown: Parts  # what was live at the peak moment
     param_bytes: int  # whole-step static parts
     grad_bytes: int
     optimizer_bytes: int
@@ -162,7 +162,7 @@ def baseline_from_profile(profile: StepProfile, settings: CheckSettings | None =
         settings=settings or settings_of(profile),
         peak_bytes=profile.peak_bytes,
         reserved_bytes=profile.cuda_reserved_bytes,
-        breakdown={k: getattr(profile.breakdown, k) for k in BREAKDOWN_KEYS},
+        breakdown=profile.breakdown,
         param_bytes=profile.param_bytes,
         grad_bytes=profile.grad_bytes,
         optimizer_bytes=profile.optimizer_bytes,
@@ -234,7 +234,7 @@ def baseline_to_yaml(b: Baseline) -> str:
             + (f": {format_bytes(b.reserved_bytes)}" if b.reserved_bytes is not None else ""),
         ),
         _field("breakdown", ..., "live at the peak moment; adds up to peak_bytes"),
-        *(_field(k, b.breakdown[k], format_bytes(b.breakdown[k]), indent=2) for k in BREAKDOWN_KEYS),
+        *(_field(p.value, n, format_bytes(n), indent=2) for p, n in b.breakdown.items()),
         _field("param_bytes", b.param_bytes, "whole step: " + format_bytes(b.param_bytes)),
         _field("grad_bytes", b.grad_bytes, format_bytes(b.grad_bytes)),
         _field("optimizer_bytes", b.optimizer_bytes, format_bytes(b.optimizer_bytes)),
@@ -330,7 +330,7 @@ def load_baseline(path: str | Path) -> Baseline:
     )
     bd = f.keys(data["breakdown"], BREAKDOWN_KEYS, (), "breakdown.")
     # "other" is what is left of the peak after the named parts, and may dip below zero.
-    breakdown = {k: f.integer(bd[k], f"breakdown.{k}", None if k == "other" else 0) for k in BREAKDOWN_KEYS}
+    breakdown = Parts(**{k: f.integer(bd[k], f"breakdown.{k}", None if k == "other" else 0) for k in BREAKDOWN_KEYS})
     mods = data["modules"] or {}
     if not isinstance(mods, dict):
         raise f.fail("modules", f"must be a mapping of module name to bytes, got {yamlio.kind(mods)}")

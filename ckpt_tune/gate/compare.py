@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckpt_tune.gate.baseline import (
-    BREAKDOWN_KEYS,
     Baseline,
     CheckResult,
     CheckSettings,
@@ -114,7 +113,7 @@ def compare(
 
     parts = [_row(k, getattr(baseline, k), getattr(profile, k)) for k in _STATIC_PARTS]
     parts += [
-        _row(f"breakdown.{k}", baseline.breakdown[k], getattr(profile.breakdown, k)) for k in BREAKDOWN_KEYS
+        _row(f"breakdown.{p.value}", n, getattr(profile.breakdown, p.value)) for p, n in baseline.breakdown.items()
     ]
 
     reasons = []

@@ -19,6 +19,7 @@ from torch import nn
 from ckpt_tune.measure.runner import Measurement, StepRunner, StepSettings
 from ckpt_tune.measure.tensors import unique_bytes
 from ckpt_tune.measure.timing import Timing
+from ckpt_tune.vocab import Parts
 
 OUTSIDE = "(outside the model)"
 
@@ -34,21 +35,6 @@ class ModuleRecord:
     output_bytes: int
     param_bytes: int  # parameters of the subtree (tied weights once)
     forward_ms: float  # inclusive forward wall time, fastest of the timing repeats
-
-
-@dataclass(frozen=True)
-class Breakdown:
-    """What is live at the moment of the peak. The five parts add up to the peak exactly."""
-
-    params: int  # parameters and buffers
-    grads: int  # gradients already produced at that moment
-    optimizer: int  # optimizer state
-    activations: int  # tensors saved for backward still live at that moment
-    other: int  # batch, logits and loss, temporaries, kernel scratch: everything no category above owns
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.other
 
 
 @dataclass(frozen=True)
@@ -75,7 +61,7 @@ class StepProfile:
     measured_by: str  # what the peak comes from
     peak_bytes: int  # largest live bytes of the iteration, parameters included
     peak_phase: str  # where it is reached, e.g. "backward: blocks.5.mlp"
-    breakdown: Breakdown
+    breakdown: Parts  # what is live at the moment of the peak
     param_bytes: int  # whole-step totals, independent of the peak moment
     grad_bytes: int
     optimizer_bytes: int
@@ -282,7 +268,7 @@ def build_profile(
     target: str,
 ) -> StepProfile:
     acts_live, grads_live = live_at_peak(m)
-    breakdown = Breakdown(
+    breakdown = Parts(
         params=m.param_bytes,
         grads=grads_live,
         optimizer=m.optimizer_bytes,

@@ -31,8 +31,8 @@ def moments_of(m: Measurement) -> tuple[Moment, ...]:
     grad_ptrs = set(m.grad_ptrs)
     static = m.param_bytes + m.optimizer_bytes
     out = [
-        Moment("start", "start of the iteration (previous gradients still live)", 0.0,
-               m.param_bytes, m.grad_bytes, m.optimizer_bytes, 0, 0),
+        Moment(m.param_bytes, m.grad_bytes, m.optimizer_bytes, 0, 0,
+               "start", "start of the iteration (previous gradients still live)", 0.0),
     ]
     for phase, a, b in (("forward", t_iter, t_loss), ("backward", t_loss, t_bwd), ("step", t_bwd, t_step + 1)):
         top, when = tl.max_between(a, b)
@@ -46,8 +46,7 @@ def moments_of(m: Measurement) -> tuple[Moment, ...]:
         grads = sum(live(p, t_bwd, when) for p in grad_ptrs)
         where = peak_phase(replace(m, peak_time=when))
         out.append(
-            Moment(phase, where, (when - t_iter) / 1e6, m.param_bytes, grads, m.optimizer_bytes, acts,
-                   m.static_bytes + top - static - grads - acts,
-                   tuple(sorted(by_owner.items(), key=lambda kv: -kv[1])))
+            Moment(m.param_bytes, grads, m.optimizer_bytes, acts, m.static_bytes + top - static - grads - acts,
+                   phase, where, (when - t_iter) / 1e6, tuple(sorted(by_owner.items(), key=lambda kv: -kv[1])))
         )
     return tuple(out)

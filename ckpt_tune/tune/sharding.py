@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from ckpt_tune import vocab
 from ckpt_tune.errors import CkptTuneError
 from ckpt_tune.tune.memory_model import Terms
-from ckpt_tune.vocab import SHARDS
+from ckpt_tune.vocab import SHARDS, Parts
 
 # which static parts each stage divides by the world size
 DIVIDES: dict[str, frozenset[str]] = {
@@ -45,23 +45,14 @@ ABSMAX_BYTES = 4
 
 
 @dataclass(frozen=True)
-class Moment:
-    """What is live at one moment of the iteration: the five parts of profiler.Breakdown, and where."""
+class Moment(Parts):
+    """What is live at one moment of the iteration (its five parts), and where."""
 
     phase: str  # one of PHASES: which part of the iteration this moment is the largest of
     where: str  # e.g. "backward: blocks.3", as profiler.peak_phase names it
     ms: float  # since the iteration started
-    params: int  # parameters and buffers
-    grads: int  # gradients allocated at this moment
-    optimizer: int  # optimizer state
-    activations: int  # tensors saved for backward, live at this moment
-    other: int  # batch, logits and loss, temporaries, kernel scratch
     # saved bytes live at this moment by the module that saved them, largest first; "" is outside every module
     modules: tuple[tuple[str, int], ...] = ()
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.other
 
 
 def peak_of(moments: Iterable[Moment]) -> Moment:
@@ -266,9 +257,9 @@ def moments_from_profile(prof) -> tuple[Moment, ...]:
     sharding does not divide them): both on the safe side."""
     b = prof.breakdown
     phase = _phase_of(prof.peak_phase)
-    out = [Moment(phase, prof.peak_phase, 0.0, b.params, b.grads, b.optimizer, b.activations, b.other)]
+    out = [Moment(**vars(b), phase=phase, where=prof.peak_phase, ms=0.0)]
     static = prof.param_bytes + prof.optimizer_bytes
-    out.append(Moment("start", "start of the iteration", 0.0, prof.param_bytes, prof.grad_bytes, prof.optimizer_bytes, 0, 0))
+    out.append(Moment(prof.param_bytes, prof.grad_bytes, prof.optimizer_bytes, 0, 0, "start", "start of the iteration", 0.0))
     ph = prof.phases or {}
     windows = (("forward", ph.get("iter"), ph.get("loss")), ("backward", ph.get("loss"), ph.get("backward")), ("step", ph.get("backward"), None))
     for name, t0, t1 in windows:
@@ -279,7 +270,7 @@ def moments_from_profile(prof) -> tuple[Moment, ...]:
             continue
         t, v = max(pts, key=lambda p: p[1])
         grads = prof.grad_bytes if name == "step" else 0
-        out.append(Moment(name, name, t, prof.param_bytes, grads, prof.optimizer_bytes, 0, max(0, v - static - grads)))
+        out.append(Moment(prof.param_bytes, grads, prof.optimizer_bytes, 0, max(0, v - static - grads), name, name, t))
     return tuple(out)
 
 
