@@ -124,6 +124,17 @@ def test_a_layer_the_model_itself_loops_over_is_checkpointed_at_each_call() -> N
     _same_step(others.shared_loop, others.looped_batch(2), plan.checkpoint)
 
 
+def test_under_fake_tensors_the_floor_runs_where_the_chain_does_not_hold_it() -> None:
+    """--device meta: every step is recorded under fake tensors, and the floor (checkpointing every
+    innermost block, here the layer the model loops over) still answers where the chain cannot."""
+    budget = 5 << 20
+    out = ckpt_tune.search(f"{OTHERS}:shared_loop", vram=str(budget + (768 << 20)), margin="0",
+                           settings=Settings(device="meta", batch_fn=f"{OTHERS}:looped_batch"))
+    assert [e.modules[0] for e in out.plan.checkpoint] == ["layer"], out.plan.checkpoint
+    assert out.plan.verified_peak_bytes <= budget
+    assert any("reaches batch" in n for n in out.result.notes), out.result.notes
+
+
 def test_a_buffer_the_forward_replaces_is_not_updated_again_by_the_recompute() -> None:
     # I-BERT's range trackers assign a new tensor to their buffers in training: checkpointed blocks
     # (and a segment) leave them as one step without checkpointing does

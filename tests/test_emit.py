@@ -252,7 +252,7 @@ def test_snippet_is_valid_python_that_needs_only_torch(hf: bool) -> None:
     assert ('CKPT_MODULES = [\n    "blocks.0",\n    "blocks.2",\n]' in source) is hf  # the layers HF's switch turns on
     # the wrapper ckpt_tune.apply installs, embedded as it is: written once
     assert inspect.getsource(plan_checkpoint._ckpt_forward) in source
-    assert 'checkpoint(model.get_submodule("blocks.2"))' in source
+    assert 'checkpoint_module(model.get_submodule("blocks.2"))' in source
     assert source.rstrip().endswith("model = apply_checkpointing(model)")
 
 

@@ -76,10 +76,14 @@ def test_a_module_wrapped_as_one_kind_is_not_wrapped_as_another() -> None:
 
 
 def test_every_option_of_the_search_has_exactly_one_kind() -> None:
-    options = ("block", "attn", "attn+mlp", "@matmuls", "@half-matmuls", "@attention", "@offload")
-    for option in options:
+    options = ("none", "block", "attn", "attn+mlp", "@matmuls", "@half-matmuls", "@attention", "@offload", "block")
+    for option in options[2:]:
         assert sum(k.owns(option) for k in KINDS.values()) == 1, option
-    assert kind_of("none") is None
+    assert kind_of(options, 0) is None
+    assert kind_of(options, 1) is KINDS["blocks"]
+    # a sub-module named `block` (EfficientNet's MBConv) is a finer option, not the whole block
+    assert kind_of(options, 8) is KINDS["submodules"]
+    assert plan_entries(("features.2.0",), ("none", "block", "block"), (2,)) == (Entry(("features.2.0.block",)),)
     units = ("blocks.0", "blocks.1")
     # option 1: the whole block; option 4 here: the block under the op policy half-matmuls
     assert plan_entries(units, ("none", "block", "attn", "attn+mlp", "@half-matmuls"), (1, 4)) == (

@@ -35,7 +35,7 @@ from ckpt_tune.tune.sharding import (
     lora_moment,
     offload_moment,
 )
-from ckpt_tune.tune.verify import plan_and_verify, solving
+from ckpt_tune.tune.verify import DIAGNOSIS_TIGHTENINGS, plan_and_verify, solving
 from ckpt_tune.units import format_bytes, format_percent
 
 PCIE_BYTES_PER_S = 25e9  # PCIe 4.0 x16, one direction, as measured by bandwidthTest on pinned memory
@@ -306,7 +306,7 @@ def _lora_with_plan(study: Study, plan: LoraPlan, record: Callable[[Names], Mome
         pk = record(names)
         return pk.total, (names, pk)
 
-    found = plan_and_verify(solving(terms, costs), study.usable, run)
+    found = plan_and_verify(solving(terms, costs), study.usable, run, tightenings=DIAGNOSIS_TIGHTENINGS)
     if found is not None:
         sol, (names, pk) = found
         return pk, names, sol.cost / step

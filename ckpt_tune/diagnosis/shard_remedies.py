@@ -17,7 +17,7 @@ from ckpt_tune.tune.memory_model import Terms
 from ckpt_tune.tune.moments import moments_of
 from ckpt_tune.tune.planner import Solution
 from ckpt_tune.tune.sharding import Moment, peak_of, per_gpu_terms, shard_moment
-from ckpt_tune.tune.verify import plan_and_verify, solving, tighten
+from ckpt_tune.tune.verify import DIAGNOSIS_TIGHTENINGS, plan_and_verify, solving, tighten
 from ckpt_tune.units import format_bytes
 
 WORLD_SIZES = (2, 4, 8, 16, 32, 64)
@@ -137,7 +137,7 @@ def _recorded_shard(study: Study, c: ShardChoice) -> Remedy:
                     names = study.names(sol.choice)
                     return record(names).total, names
 
-                found = plan_and_verify(solving(terms, costs), usable, run, room)
+                found = plan_and_verify(solving(terms, costs), usable, run, room, tightenings=DIAGNOSIS_TIGHTENINGS)
                 if found is not None:
                     sol, names = found
                     return _shard_remedy(study, c.stage, n, tried[(n, names)], names, sol.cost / step_ms, "measured", c)

@@ -38,7 +38,7 @@ from ckpt_tune.tune.sharding import (
     shard_moment,
     static_per_gpu,
 )
-from ckpt_tune.tune.verify import plan_and_verify, solving
+from ckpt_tune.tune.verify import DIAGNOSIS_TIGHTENINGS, plan_and_verify, solving
 
 Names = tuple[Entry, ...]  # a checkpoint plan: its entries, in execution order
 
@@ -224,7 +224,7 @@ class Study:
             return pk.total, (names, pk)
 
         room = self.usable - (self.states.grads if accumulate else 0)
-        found = plan_and_verify(solving(terms, costs), self.usable, run, room)
+        found = plan_and_verify(solving(terms, costs), self.usable, run, room, tightenings=DIAGNOSIS_TIGHTENINGS)
         if found is not None:
             sol, (names, pk) = found
             return names, sol.cost, pk
@@ -268,7 +268,7 @@ class Study:
             pk = self.peak(self.moments(self.b, names), fn)
             return pk.total, (names, pk)
 
-        found = plan_and_verify(solving(terms, costs), self.usable, run)
+        found = plan_and_verify(solving(terms, costs), self.usable, run, tightenings=DIAGNOSIS_TIGHTENINGS)
         if found is None:
             return None
         sol, (names, pk) = found

@@ -57,7 +57,7 @@ class Baseline:
     settings: CheckSettings
     peak_bytes: int  # largest live bytes of the iteration (CUDA: max_memory_allocated)
     reserved_bytes: int | None  # CUDA: max_memory_reserved; None elsewhere
-    breakdown: Parts  # what was live at the peak moment
+    breakdown: Parts  # what was live at the peak moment (a mapping of the five parts is read as Parts)
     param_bytes: int  # whole-step static parts
     grad_bytes: int
     optimizer_bytes: int
@@ -68,6 +68,10 @@ class Baseline:
     measured_by: str
     created: str  # ISO 8601, UTC
     version: int = BASELINE_VERSION
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.breakdown, Parts):
+            object.__setattr__(self, "breakdown", Parts(**self.breakdown))
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """One module under non-reentrant activation checkpointing, optionally under an op-level policy.
 
-`checkpoint(module, policy=None)` replaces the module instance's `forward` with one that runs the
+`checkpoint_module(module, policy=None)` replaces the module instance's `forward` with one that runs the
 original under `torch.utils.checkpoint.checkpoint(use_reentrant=False, preserve_rng_state=True)`: only
 its inputs are kept for backward, where its forward runs again. Under a `policy` (plan/policy.py) the
 outputs of the ops the policy names are kept and the rest recomputed. The module's own hooks (FSDP's
@@ -107,7 +107,7 @@ def is_checkpointed(module: nn.Module) -> bool:
     return getattr(module.__dict__.get("forward"), "__name__", None) == CHECKPOINT_FORWARD
 
 
-def checkpoint(module: nn.Module, policy: str | None = None) -> None:
+def checkpoint_module(module: nn.Module, policy: str | None = None) -> None:
     """Checkpoint `module` (in place; a module checkpointed already is left as it is)."""
     if is_checkpointed(module):
         return
@@ -119,8 +119,8 @@ def checkpoint(module: nn.Module, policy: str | None = None) -> None:
     module.forward = types.MethodType(_ckpt_forward, module)
 
 
-def uncheckpoint(module: nn.Module) -> None:
-    """Undo `checkpoint`: the module's forward as it was."""
+def uncheckpoint_module(module: nn.Module) -> None:
+    """Undo `checkpoint_module`: the module's forward as it was."""
     if not is_checkpointed(module):
         return
     inner = module.__dict__.pop(INNER_ATTR, None)

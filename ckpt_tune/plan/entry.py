@@ -40,7 +40,7 @@ class Entry:
                 f"a plan entry names one module or a run of modules, got {list(self.modules)!r}",
                 hint="write a module name, or a list of consecutive blocks' names",
             )
-        if self.policy is not None:
+        if self.policy is not None and self.action in (Action.CHECKPOINT, Action.SELECTIVE):
             object.__setattr__(self, "action", Action.SELECTIVE)
         elif self.action is Action.CHECKPOINT and len(self.modules) > 1:
             object.__setattr__(self, "action", Action.SEGMENT)

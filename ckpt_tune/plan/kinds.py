@@ -139,14 +139,14 @@ class Checkpoint(Kind):
         return "checkpointed whole"
 
     def call(self, modules, policy):
-        return Call("checkpoint", "checkpoint", modules[0])
+        return Call("checkpoint", "checkpoint_module", modules[0])
 
     def state_of(self, module):
         rt = self._runtime()
         return self.state(None) if rt.is_checkpointed(module) and rt.POLICY_ATTR not in module.__dict__ else None
 
     def undo(self, module):
-        self._runtime().uncheckpoint(module)
+        self._runtime().uncheckpoint_module(module)
 
 
 class Segment(Kind):
@@ -229,7 +229,7 @@ class Selective(Kind):
         return f"checkpointed under policy {policy}"
 
     def call(self, modules, policy):
-        return Call("checkpoint", "checkpoint", modules[0], keywords=(("policy", policy),))
+        return Call("checkpoint", "checkpoint_module", modules[0], keywords=(("policy", policy),))
 
     def state_of(self, module):
         rt = self._runtime()
@@ -237,7 +237,7 @@ class Selective(Kind):
         return self.state(policy) if rt.is_checkpointed(module) and policy is not None else None
 
     def undo(self, module):
-        self._runtime().uncheckpoint(module)
+        self._runtime().uncheckpoint_module(module)
 
 
 class Offload(Kind):

@@ -10,10 +10,10 @@ modules wrapped by either. A plan for several ranks then shards the model as `ck
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import json
-import re
 
 from ckpt_tune.plan.file import Plan
 from ckpt_tune.plan.finetune import peft_code
@@ -65,6 +65,7 @@ _SNIPPET_FULLY_SHARD = """
 
 # Sharding, after the checkpoint wrappers: {title}.
 # Run every rank under torchrun (the default process group must exist); then build the optimizer.
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -97,6 +98,7 @@ _SNIPPET_ZERO1 = """
 # Sharding, after the checkpoint wrappers: ZeRO-1 over {world_size} ranks. The model stays whole on every
 # rank and the optimizer state is sharded: build the optimizer as `optimizer = make_optimizer(model, lr=...)`.
 # Run every rank under torchrun (the default process group must exist).
+import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -212,30 +214,34 @@ def patch_snippet(plan: Plan, *, hf: bool = False, embed: bool = True) -> str:
 
 def _module_line(name: str) -> str:
     lines = len(_module_source(name, set()).splitlines())
-    return f"\n# ckpt_tune/plan/{name}.py, verbatim: {lines} lines in the snippet --patch writes\n"
-
-
-_IMPORT_OURS = re.compile(r"^from ckpt_tune\.plan\.(\w+) import (.+)$", re.MULTILINE)
+    return f"\n# ckpt_tune/plan/{name}.py ({lines} lines): not shown here; `--patch FILE` writes the snippet whole\n"
 
 
 def _module_source(name: str, embedded: set[str]) -> str:
     """Runtime module `ckpt_tune.plan.<name>` as snippet code: its docstring as comments, its body as it
-    is, less `from __future__` and its imports of other runtime modules (embedded beside it; a name
-    of one that is not, which the plan's entries never call, becomes a stub that says so)."""
+    is, less `from __future__` and its imports of other runtime modules (embedded beside it; a name of
+    one that is not, which the plan's entries never reach, becomes a stub that says so)."""
     module = importlib.import_module(f"ckpt_tune.plan.{name}")
-    doc = module.__doc__ or ""
-    body = inspect.getsource(module).split('"""', 2)[2].replace("from __future__ import annotations\n", "")
-
-    def imported(match: re.Match) -> str:
-        if match.group(1) in embedded:
-            return ""
-        return "\n\n".join(
-            f"def {n.strip()}(*args, **kwargs):  # ckpt_tune/plan/{match.group(1)}.py: not needed by this plan\n"
-            f"    raise RuntimeError(\"this plan's snippet does not include {match.group(1)}.py\")\n"
-            for n in match.group(2).split(",")
+    source = inspect.getsource(module)
+    lines = source.splitlines(keepends=True)
+    tree = ast.parse(source)
+    for node in sorted(ast.walk(tree), key=lambda n: -getattr(n, "lineno", 0)):
+        ours = isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ckpt_tune.plan.")
+        if (isinstance(node, ast.Import) and any(a.name.startswith("ckpt_tune") for a in node.names)) or (
+            isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ckpt_tune") and not ours
+        ):
+            raise ValueError(f"plan/{name}.py imports {ast.unparse(node)}: a runtime module imports torch and runtime modules only")
+        if not ours and not (isinstance(node, ast.ImportFrom) and node.module == "__future__"):
+            continue
+        other = (node.module or "").rsplit(".", 1)[-1]
+        indent = " " * node.col_offset
+        stubs = "" if node.module == "__future__" or other in embedded else "".join(
+            f"{indent}def {a.asname or a.name}(*args, **kwargs):  # ckpt_tune/plan/{other}.py: not needed by this plan\n"
+            f"{indent}    raise RuntimeError(\"this plan's snippet does not include {other}.py\")\n"
+            for a in node.names
         )
-
-    body = _IMPORT_OURS.sub(imported, body)
+        lines[node.lineno - 1 : node.end_lineno] = [stubs]
+    doc = module.__doc__ or ""
+    body = "".join(lines).split('"""', 2)[2]
     comment = "\n".join(("# " + line).rstrip() for line in doc.strip().splitlines())
     return f"\n# ckpt_tune/plan/{name}.py, verbatim.\n" + comment + "\n" + body
-

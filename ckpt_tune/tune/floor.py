@@ -23,6 +23,13 @@ FLOOR_STEPS_UP = 4  # batches above the every-block floor's estimate tried one b
 class EveryBlockFloor(SearchState):
     """`_floor(res, budget)`: the search's answer, or checkpointing every block where that reaches more."""
 
+    def floor_may_differ(self) -> bool:
+        """Whether checkpointing every innermost block is a configuration the chain does not hold: its
+        blocks are not the chain's units (a holder taken whole, a DenseNet's stages), or the model's
+        own forward loops over modules."""
+        leaves = [n for n in find_blocks(self.runner.model) if n not in self._refused]
+        return set(leaves) != set(self.units) if leaves else bool(self._looping)
+
     def _floor(self, res: SearchResult, budget: int) -> SearchResult:
         """The plan is never below what checkpointing every innermost block reaches (docs/design.md §4):
         the "checkpoint every X" a user would write. Where the chain's units are not those blocks (a

@@ -11,7 +11,9 @@ kinds of plan/kinds.py), how a block under it looks to its neighbours in the mem
 search does for them.
 
 Option names: `attn`, `attn+mlp` (sub-modules), `@matmuls` (an op policy), `@offload`; a block's
-option `@x` is the entry `block@x` (plan/kinds.py's short form).
+option `@x` is the entry `block@x` (plan/kinds.py's short form). Options are resolved by index (`kind_of`):
+option 1 is the whole block whatever a finer option is named (EfficientNet's MBConv has a sub-module
+named `block`).
 
 Pure at import (no torch): the CLI's `--help` reads the kinds' words and help.
 """
@@ -93,6 +95,7 @@ class Kind:
         return ()
 
     def owns(self, option: str) -> bool:
+        """Whether a finer option (index 2 and up) is this kind's."""
         return False
 
     def has(self, search: Any, unit: str, option: str) -> bool:
@@ -119,9 +122,6 @@ class Blocks(Kind):
     name, groups = "blocks", True
     help = "whole blocks and the stages holding them"
 
-    def owns(self, option):
-        return option == BLOCK
-
     def entries(self, unit, option):
         return (Entry((unit,)),)
 
@@ -138,7 +138,7 @@ class Submodules(Kind):
         return (*subs, *(o for o in dict.fromkeys(search.repeats.values()) if o not in subs))
 
     def owns(self, option):
-        return option not in (NONE, BLOCK) and not option.startswith(MARK)
+        return not option.startswith(MARK)
 
     def has(self, search, unit, option):
         from ckpt_tune.tune.candidates import has_sub_option
@@ -202,9 +202,11 @@ KINDS: dict[str, Kind] = {k.name: k for k in (Blocks(), Submodules(), Segments()
 RECOMPUTE = frozenset(name for name, k in KINDS.items() if k.recompute)
 
 
-def kind_of(option: str) -> Kind | None:
-    """The kind whose option `option` is (None for option 0, stored)."""
-    return next((k for k in KINDS.values() if k.owns(option)), None)
+def kind_of(options: tuple[str, ...], k: int) -> Kind | None:
+    """The kind of option k of `options` (None for option 0, stored; option 1 is the whole block)."""
+    if k < 2:
+        return KINDS["blocks"] if k == 1 else None
+    return next(kind for kind in KINDS.values() if kind.owns(options[k]))
 
 
 def policy_of(option: str) -> str | None:
@@ -214,7 +216,7 @@ def policy_of(option: str) -> str | None:
 
 def neighbour_like(options: tuple[str, ...], k: int) -> int:
     """The basic option (0 stored, 1 checkpointed) option k looks like to the blocks next to it."""
-    return k if k < 2 else kind_of(options[k]).neighbour(options[k])
+    return k if k < 2 else kind_of(options, k).neighbour(options[k])
 
 
 def parse_candidates(text: str) -> frozenset[str]:

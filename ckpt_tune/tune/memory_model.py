@@ -94,7 +94,7 @@ def plan_entries(units, options, choice: tuple[int, ...], groups: dict[tuple[int
             group = (groups or {}).get((i, i - c - 1))
             out.append(Entry((group,)) if group else Entry(tuple(units[i : i - c])))
         elif c >= 1:
-            out.extend(kind_of(options[c]).entries(u, options[c]))
+            out.extend(kind_of(options, c).entries(u, options[c]))
     return tuple(out)
 
 

@@ -193,7 +193,7 @@ class SearchState:
 
     def _has(self, i: int, option: int) -> bool:
         name = self.options[option]
-        return kind_of(name).has(self, self.units[i], name)
+        return kind_of(self.options, option).has(self, self.units[i], name)
 
     def names(self, choice: tuple[int, ...]) -> list[Entry]:
         """Plan entries of a choice (memory_model.plan_entries)."""

@@ -126,7 +126,8 @@ class StepCosts(SearchState):
         # each option's kind prices it (tune/kinds.py): a recompute, less what a policy keeps; transfers
         pricing = Pricing(t.forward_ms, scale, t.unit, batch_size, shares, self.offload_bytes, self.host_link)
         costs = tuple(
-            (0.0, *(kind_of(o).cost(pricing, u, o) for o in self.options[1:])) for u in self.units
+            (0.0, *(kind_of(self.options, k).cost(pricing, u, self.options[k]) for k in range(1, len(self.options))))
+            for u in self.units
         )
         return costs, scale * t.step_ms
 

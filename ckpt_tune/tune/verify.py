@@ -26,10 +26,11 @@ def plan_and_verify(
     run: Callable[[Solution], tuple[int, R] | None],
     room: int | None = None,
     max_solves: int | None = None,
+    tightenings: int = MAX_TIGHTENINGS,
 ) -> tuple[Solution, R] | None:
     """The cheapest plan whose recorded peak fits `budget`, and what `run` returned for it; None when the
-    planner finds nothing within the (tightened) room, after MAX_TIGHTENINGS tightenings or after
-    `max_solves` solves.
+    planner finds nothing within the (tightened) room, after `tightenings` tightenings (the plan solved
+    after the last one is not run) or after `max_solves` solves.
 
     `solve_in(room)` solves for the cheapest plan predicted within `room` (on the terms as they are
     now); `run(solution)` records the plan and returns (its peak in bytes, anything the caller wants
@@ -38,7 +39,7 @@ def plan_and_verify(
     """
     room = budget if room is None else room
     tightened = solves = 0
-    while tightened < MAX_TIGHTENINGS and (max_solves is None or solves < max_solves):
+    while tightened < tightenings and (max_solves is None or solves < max_solves):
         sol = solve_in(room)
         if sol is None:
             return None
@@ -57,6 +58,10 @@ def plan_and_verify(
 def solving(terms: Terms, costs: tuple[tuple[float, ...], ...]) -> Callable[[int], Solution | None]:
     """`solve_in` for fixed terms and costs (what a diagnosis plans on)."""
     return lambda room: solve(terms, costs, room)
+
+
+# A diagnosis runs the plan solved after the last tightening too: its runs are cheap (recorded moments).
+DIAGNOSIS_TIGHTENINGS = MAX_TIGHTENINGS + 1
 
 
 def tighten(room: int, predicted: int, measured: int, budget: int) -> int:
