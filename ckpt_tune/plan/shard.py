@@ -6,7 +6,7 @@
     optimizer = torch.optim.AdamW(model.parameters(), lr=...)
 
 A plan for `world_size` N > 1 records its stage (`shard`) and the modules that get `fully_shard`
-(`shard_units`, plan/file.py). The stages are those of issue 15 (docs/design.md §6), and this module
+(`shard_units`, plan/file.py). The stages are those of docs/design.md §6, and this module
 holds their vocabulary once: measure/sharded.py records a step under the same calls.
 
     zero3, fsdp  fully_shard(unit, reshard_after_forward=True) for every unit, then the root
