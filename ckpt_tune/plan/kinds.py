@@ -12,6 +12,7 @@ Pure: no torch at import (the runtime modules are imported when an entry is appl
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 from dataclasses import dataclass
@@ -34,7 +35,13 @@ class Action(str, Enum):
     OFFLOAD = "offload"  # keep what one module saves for backward in host memory; nothing recomputed
 
 
-Parts = tuple[tuple[str, ...], "str | None"]  # (modules, policy): an entry's fields
+Fields = tuple[tuple[str, ...], "str | None"]  # (modules, policy): an entry's fields
+
+
+@functools.cache
+def runtime_module(name: str):
+    """The runtime module `ckpt_tune.plan.<name>` (imported on first use: this module stays pure)."""
+    return importlib.import_module(f"ckpt_tune.plan.{name}")
 
 
 @dataclass(frozen=True)
@@ -55,7 +62,7 @@ class Call:
         return f"{self.function}({', '.join(args)})"
 
     def run(self, model) -> None:
-        function = getattr(importlib.import_module(f"ckpt_tune.plan.{self.runtime}"), self.function)
+        function = getattr(runtime_module(self.runtime), self.function)
         target = model if self.module is None else model.get_submodule(self.module)
         function(target, *self.arguments, **dict(self.keywords))
 
@@ -85,7 +92,7 @@ class Kind:
     whole = False
     recomputes = True
 
-    def parse(self, value: Any) -> Parts | None:
+    def parse(self, value: Any) -> Fields | None:
         """The entry's fields from a data form of this kind, None for a form of another kind."""
         raise NotImplementedError
 
@@ -120,7 +127,7 @@ class Kind:
         raise NotImplementedError
 
     def _runtime(self):
-        return importlib.import_module(f"ckpt_tune.plan.{self.runtime[-1]}")
+        return runtime_module(self.runtime[-1])
 
 
 class Checkpoint(Kind):

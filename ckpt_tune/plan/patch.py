@@ -11,13 +11,12 @@ modules wrapped by either. A plan for several ranks then shards the model as `ck
 from __future__ import annotations
 
 import ast
-import importlib
 import inspect
 import json
 
 from ckpt_tune.plan.file import Plan
 from ckpt_tune.plan.finetune import peft_code
-from ckpt_tune.plan.kinds import KINDS
+from ckpt_tune.plan.kinds import KINDS, runtime_module
 from ckpt_tune.plan.shard import ENGINES, MIXED
 from ckpt_tune.units import format_bytes
 
@@ -221,7 +220,7 @@ def _module_source(name: str, embedded: set[str]) -> str:
     """Runtime module `ckpt_tune.plan.<name>` as snippet code: its docstring as comments, its body as it
     is, less `from __future__` and its imports of other runtime modules (embedded beside it; a name of
     one that is not, which the plan's entries never reach, becomes a stub that says so)."""
-    module = importlib.import_module(f"ckpt_tune.plan.{name}")
+    module = runtime_module(name)
     source = inspect.getsource(module)
     lines = source.splitlines(keepends=True)
     tree = ast.parse(source)

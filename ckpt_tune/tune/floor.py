@@ -27,8 +27,12 @@ class EveryBlockFloor(SearchState):
         """Whether checkpointing every innermost block is a configuration the chain does not hold: its
         blocks are not the chain's units (a holder taken whole, a DenseNet's stages), or the model's
         own forward loops over modules."""
-        leaves = [n for n in find_blocks(self.runner.model) if n not in self._refused]
+        leaves = self._leaves()
         return set(leaves) != set(self.units) if leaves else bool(self._looping)
+
+    def _leaves(self) -> tuple[str, ...]:
+        """The innermost blocks, less those refused as candidates."""
+        return tuple(n for n in find_blocks(self.runner.model) if n not in self._refused)
 
     def _floor(self, res: SearchResult, budget: int) -> SearchResult:
         """The plan is never below what checkpointing every innermost block reaches (docs/design.md §4):
@@ -37,7 +41,7 @@ class EveryBlockFloor(SearchState):
         the planner's estimate fell short, that configuration is run at the next batch; when it fits, it
         is the answer at the largest batch its measured peaks reach, verified. Every step it runs is
         checkpointed: one that runs out of device memory does not fit."""
-        leaves = tuple(n for n in find_blocks(self.runner.model) if n not in self._refused)
+        leaves = self._leaves()
         what = "every block"
         if not leaves and self._looping:  # a loop in the model's own forward: each call checkpointed
             leaves, what = self._looping, "the modules that run more than once per step"

@@ -25,6 +25,7 @@ from typing import Any
 
 from ckpt_tune.errors import CkptTuneError
 from ckpt_tune.plan.entry import Entry
+from ckpt_tune.plan.kinds import KINDS as ENTRY_KINDS
 from ckpt_tune.plan.kinds import MARK, POLICIES, Action
 from ckpt_tune.vocab import known
 
@@ -77,7 +78,9 @@ class Kind:
     Attributes:
         name: its `--candidates` word.
         help: what it offers, as `--help` says it.
-        recompute: one of `all` (the default); else offered only when named.
+        entry: the `Action` of the entries its options become (plan/kinds.py).
+        recompute: one of `all` (the default): its entries recompute (their entry kind's `recomputes`);
+            else offered only when named.
         groups: whole-module choices: option 1, and the groups of blocks that hold runs of them.
         runs: runs of consecutive blocks under one checkpoint (segments).
         inside: modules inside a block, a module a block runs several times among them.
@@ -85,10 +88,14 @@ class Kind:
 
     name: str
     help: str
-    recompute = True
+    entry: Action
     groups = False
     runs = False
     inside = False
+
+    @property
+    def recompute(self) -> bool:
+        return ENTRY_KINDS[self.entry].recomputes
 
     def offer(self, search: Any, batch_size: int) -> tuple[str, ...]:
         """The finer options this kind adds to every block (option names); () for none."""
@@ -120,6 +127,7 @@ class Kind:
 
 class Blocks(Kind):
     name, groups = "blocks", True
+    entry = Action.CHECKPOINT
     help = "whole blocks and the stages holding them"
 
     def entries(self, unit, option):
@@ -128,6 +136,7 @@ class Blocks(Kind):
 
 class Submodules(Kind):
     name, inside = "submodules", True
+    entry = Action.CHECKPOINT
     help = "a block's attention or MLP"
 
     def offer(self, search, batch_size):
@@ -154,11 +163,13 @@ class Submodules(Kind):
 
 class Segments(Kind):
     name, runs = "segments", True
+    entry = Action.SEGMENT
     help = "runs of blocks under one checkpoint"
 
 
 class Ops(Kind):
     name = "ops"
+    entry = Action.SELECTIVE
     help = "op-level policies of a block: keep matmul outputs, recompute the rest"
 
     def offer(self, search, batch_size):
@@ -173,7 +184,7 @@ class Ops(Kind):
 
 
 class Offload(Kind):
-    name, recompute = "offload", False
+    name, entry = "offload", Action.OFFLOAD
     help = "a block's saved tensors kept in host memory; GPUs and --device meta only"
     option = MARK + Action.OFFLOAD.value
 
