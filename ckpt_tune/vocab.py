@@ -1,5 +1,6 @@
-"""The words every layer shares, named once: precisions, devices, sharding strategies, optimizers, and
-the five parts of a step's memory. An unknown name is a `CkptTuneError` that lists the known ones.
+"""The words every layer shares, named once: precisions, devices, sharding strategies, optimizers, the
+five parts of a step's memory, and `RunSpec`, how a step is run. An unknown name is a `CkptTuneError`
+that lists the known ones.
 
 Nothing here imports torch at module level: the CLI's `--help` and the pure core stay light.
 """
@@ -10,7 +11,7 @@ import difflib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckpt_tune.errors import CkptTuneError
 
@@ -21,13 +22,20 @@ PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
 DEVICES = ("cpu", "cuda", "meta")  # device kinds a plan or baseline may record
 
 
+AUTO = "auto"  # a device not chosen yet: cuda when one is available, else cpu (measure/device.py)
+
+
 def device_kind(device: str) -> str:
     """"cuda:1" -> "cuda": a plan or baseline made on one GPU holds for another of the same kind."""
     return device.split(":", 1)[0]
+
+
 SHARDS = ("none", "zero1", "zero2", "zero3", "fsdp")
 # how a plan's per-rank figures were obtained: one device (none), rank 0 recorded under the real engine
 # with a fake process group (measured), or one device's step divided by arithmetic (tune/sharding.py)
 SHARDINGS = ("none", "measured", "arithmetic")
+
+
 def known(kind: str, value: Any, choices: Sequence[str], flag: str | None = None) -> str:
     """`value` if it is one of `choices`, else a CkptTuneError naming `kind` and the closest choice."""
     if isinstance(value, str) and value in choices:
@@ -118,6 +126,61 @@ OPTIMIZERS = tuple(OPTIMIZER_REGISTRY)
 def optimizer(name: str) -> Optimizer:
     """The registered optimizer `name`; an unknown name is an error, never a silent fallback."""
     return OPTIMIZER_REGISTRY[known("optimizer", name, OPTIMIZERS)]
+
+
+# -- how a step is run ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    """How a training step is run: the fields a session's `Settings`, a step runner's `StepSettings`,
+    a profile, a baseline's `CheckSettings` and a plan's header share, declared and validated here once.
+
+    Attributes:
+        device: "cpu", "cuda", "cuda:N" or "meta" (fake tensors: sized, never run); `Settings` also
+            takes None or "auto" (cuda when available, else cpu), resolved when the session starts.
+        precision: one of PRECISIONS.
+        optimizer: one of OPTIMIZERS; its state is part of the step's memory.
+        batch_size: the micro-batch; None where it is not fixed (a runner steps at many, a search finds it).
+        world_size: ranks of a sharded run; every figure is then rank 0's.
+        shard: one of SHARDS; "none" exactly when `world_size` is 1.
+
+    Raises:
+        CkptTuneError: a field out of its range, naming the field and what it takes.
+    """
+
+    device: str | None = "cpu"
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    batch_size: int | None = None
+    world_size: int = 1
+    shard: str = "none"
+
+    unresolved_device: ClassVar[bool] = False  # whether None / "auto" is a device this class holds
+    fixed_batch: ClassVar[bool] = False  # whether batch_size must be given (a plan, a profile, a baseline)
+
+    def __post_init__(self) -> None:
+        if self.device in (None, AUTO):
+            if not self.unresolved_device:
+                raise CkptTuneError(f"{type(self).__name__} needs a device, got {self.device!r}", "resolve it first")
+        elif not isinstance(self.device, str) or device_kind(self.device) not in DEVICES:
+            raise CkptTuneError(f"unknown device {self.device!r}", f"use {AUTO}, cpu, cuda, cuda:N or meta")
+        known("precision", self.precision, PRECISIONS)
+        known("optimizer", self.optimizer, OPTIMIZERS)
+        for name, required in (("batch_size", self.fixed_batch), ("world_size", True)):
+            value = getattr(self, name)
+            if (value is not None or required) and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise CkptTuneError(f"{name} must be an integer of at least 1, got {value!r}", "e.g. 8")
+        known("shard", self.shard, SHARDS)
+        if (self.world_size > 1) != (self.shard != "none"):
+            raise CkptTuneError(
+                f"shard {self.shard!r} at world_size {self.world_size}: a sharded run (world_size > 1) names "
+                f"its stage ({', '.join(SHARDS[1:])}), one device has none",
+                "e.g. world_size 8 with shard fsdp, or world_size 1 with shard none",
+            )
+
+
+RUN_FIELDS = ("device", "precision", "optimizer", "batch_size", "world_size", "shard")
 
 
 # -- the five parts of a step's memory ----------------------------------------------------------------

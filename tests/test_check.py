@@ -27,7 +27,8 @@ import yaml
 
 from ckpt_tune import Settings
 from ckpt_tune import gate as ck
-from ckpt_tune.errors import BaselineError, RegressionError
+from ckpt_tune.errors import BaselineError, CkptTuneError, RegressionError
+from ckpt_tune.gate.baseline import SETTING_KEYS
 from ckpt_tune.measure.profiler import ModuleRecord, StepProfile
 from ckpt_tune.plan.file import Plan, write_plan
 from ckpt_tune.vocab import Parts
@@ -296,7 +297,7 @@ def test_baseline_file_round_trips_names_yaml_would_misread(tmp_path):
     long_name = "encoder.layers.11.self_attention.query_key_value.dropout"
     b = make_baseline(
         modules={"": 4, "0": 8, "true": 16, "null": 32, long_name: 1_234_567, "blocks.0": 64},
-        settings=ck.CheckSettings(8, "bf16-mixed", "sgd", "cuda:1", ("blocks.0", "blocks.2"), 1024, "sdpa"),
+        settings=ck.CheckSettings(batch_size=8, precision="bf16-mixed", optimizer="sgd", device="cuda:1", checkpoint=("blocks.0", "blocks.2"), seq_len=1024, attn="sdpa"),
         reserved_bytes=4096,
     )
     path = ck.write_baseline(b, tmp_path / "sub" / "memory.yaml")
@@ -463,7 +464,7 @@ def test_static_parts_and_unattributed_bytes_are_compared():
 
 
 def test_cuda_reserved_bytes_have_their_own_tolerance():
-    base = make_baseline(reserved_bytes=2000, settings=ck.CheckSettings(8, "fp32", "adamw", "cuda"))
+    base = make_baseline(reserved_bytes=2000, settings=ck.CheckSettings(batch_size=8, device="cuda"))
     ok = ck.compare(base, make_profile(1000, device="cuda:0", cuda_reserved_bytes=2200), "5%", "10%")
     assert (ok.status, ok.reserved_limit_bytes) == ("pass", 2200)
     bad = ck.compare(base, make_profile(1000, device="cuda:0", cuda_reserved_bytes=2201), "5%", "10%")
@@ -501,7 +502,7 @@ def test_differing_settings_win_over_the_numbers():
 
 
 def test_device_index_and_checkpoint_order_do_not_count_as_differences():
-    a = ck.CheckSettings(8, "fp32", "adamw", "cuda:0", ("blocks.2", "blocks.0"))
+    a = ck.CheckSettings(batch_size=8, device="cuda:0", checkpoint=("blocks.2", "blocks.0"))
     assert (
         ck.settings_diff(a, dataclasses.replace(a, device="cuda", checkpoint=("blocks.0", "blocks.2"))) == ()
     )
@@ -635,3 +636,13 @@ def test_report_lists_new_and_removed_modules(capsys):
     assert "new modules (absent from the baseline): d +30 B" in err
     assert "removed modules: c -20 B" in err
     assert "REGRESSED: peak 1100 bytes" in err
+
+
+def test_a_baseline_file_holds_every_setting_and_a_run_spec_validates_them():
+    assert sorted(SETTING_KEYS) == sorted(f.name for f in dataclasses.fields(ck.CheckSettings))
+    with pytest.raises(CkptTuneError, match="unknown precision 'fp8'"):
+        ck.CheckSettings(batch_size=8, precision="fp8")
+    with pytest.raises(CkptTuneError, match="batch_size must be an integer of at least 1, got None"):
+        ck.CheckSettings()
+    with pytest.raises(CkptTuneError, match="shard 'none' at world_size 8"):
+        ck.CheckSettings(batch_size=8, world_size=8)

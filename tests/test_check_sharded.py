@@ -167,7 +167,7 @@ def test_bad_flag_pairs_and_files_are_clear_errors(run, target, tmp_path):
     assert code == 1
     assert "without a sharding stage" in one_line(err)
     base = ck.Baseline(
-        target="t.py:build", settings=ck.CheckSettings(4, "fp32", "adamw", "cpu", world_size=8, shard="zero3"),
+        target="t.py:build", settings=ck.CheckSettings(batch_size=4, device="cpu", world_size=8, shard="zero3"),
         peak_bytes=10, reserved_bytes=None, breakdown=dict.fromkeys(ck.BREAKDOWN_KEYS, 2), param_bytes=1,
         grad_bytes=1, optimizer_bytes=1, activation_total_bytes=0, unattributed_activation_bytes=0, modules={},
         torch_version="2", measured_by="x", created="2026-01-01T00:00:00+00:00",

@@ -297,7 +297,7 @@ def test_sharded_study_records_its_remedies_sharded_too(target):
     ckpt = rows["checkpoint"].config["checkpoint"]
     m = measure_sharded(FX.build(), FX.make_batch, FX.loss_fn, 2, world_size=2, shard="zero2", units=units, checkpoint=ckpt)
     assert rows["checkpoint"].peak_bytes == m.peak_bytes
-    bf16 = StepSettings("cpu", "bf16-mixed")  # FSDP2's MixedPrecisionPolicy under fully_shard
+    bf16 = StepSettings(device="cpu", precision="bf16-mixed")  # FSDP2's MixedPrecisionPolicy under fully_shard
     m = measure_sharded(FX.build(), FX.make_batch, FX.loss_fn, 2, world_size=2, shard="zero2", units=units, settings=bf16)
     assert rows["mixed-precision"].peak_bytes == m.peak_bytes
     lora = rows["lora"].config
@@ -320,7 +320,7 @@ def test_sharding_stays_arithmetic_where_the_engine_cannot_run_and_no_second_gro
 
     pk = Moment(10, 10, 20, 30, 5, "backward", "backward: blocks.1", 1.0)
     study = SimpleNamespace(
-        step=StepSettings("cuda"), b=8, runner=SimpleNamespace(), usable=100, gathered=4, notes=[], remedies=[],
+        step=StepSettings(device="cuda"), b=8, runner=SimpleNamespace(), usable=100, gathered=4, notes=[], remedies=[],
         shard_choices=[remedies.ShardChoice(stage, 4, pk, (), 0.0, None) for stage in ("zero1", "zero3")],
         ckpt_label=lambda names: f"{len(names)} blocks",
     )

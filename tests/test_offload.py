@@ -67,7 +67,8 @@ def test_offload_entries_in_the_plan_file_and_the_patch(tmp_path) -> None:
     entries = (Entry.offload("blocks.0"), Entry(("blocks.1",)))
     assert Entry.of("blocks.0@offload") == entries[0]
     assert Entry.of({"module": "blocks.0", "action": "offload"}) == entries[0]
-    plan = Plan(GPT, "meta", "fp32", "adamw", 1 << 30, 16, 1, entries, 1 << 29, 0.5)
+    plan = Plan(target=GPT, device="meta", budget_bytes=1 << 30, batch_size=16, grad_accum_steps=1, checkpoint=entries,
+                predicted_peak_bytes=1 << 29, predicted_recompute_fraction=0.5)
     path = write_plan(plan, tmp_path / "plan.yaml")
     assert "  - {module: blocks.0, action: offload}" in path.read_text()
     assert load_plan(path).checkpoint == entries

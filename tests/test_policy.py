@@ -52,7 +52,8 @@ def test_backward_recomputes_only_what_the_policy_does_not_keep(name, recomputed
 
 def test_plan_file_round_trips_policy_entries(tmp_path) -> None:
     entries = ("blocks.0", {"module": "blocks.1", "policy": "matmuls"}, ["blocks.2", "blocks.3"], "blocks.4@attention")
-    plan = Plan("examples/gpt.py:build", "cpu", "fp32", "adamw", 100, 4, 1, entries, 90, 0.1)
+    plan = Plan(target="examples/gpt.py:build", budget_bytes=100, batch_size=4, grad_accum_steps=1, checkpoint=entries,
+                predicted_peak_bytes=90, predicted_recompute_fraction=0.1)
     path = write_plan(plan, tmp_path / "plan.yaml")
     assert "  - {module: blocks.1, policy: matmuls}" in path.read_text()
     back = load_plan(path)

@@ -470,7 +470,8 @@ def test_segment_names_that_yaml_would_misread_round_trip(tmp_path):
     from ckpt_tune.plan.file import Plan, load_plan, write_plan
 
     entries = (("d.x]", "d.y"), ("d.a, b", "d.c"), ("0", "null"), ("blocks.0", "blocks.1"))
-    plan = Plan("t.py:build", "cpu", "fp32", "adamw", 1, 1, 1, entries, 1, 0.1)
+    plan = Plan(target="t.py:build", budget_bytes=1, batch_size=1, grad_accum_steps=1, checkpoint=entries, predicted_peak_bytes=1,
+                predicted_recompute_fraction=0.1)
     loaded = load_plan(write_plan(plan, tmp_path / "plan.yaml")).checkpoint
     assert loaded == plan.checkpoint
     assert [tuple(e) for e in to_data(loaded)] == list(entries)

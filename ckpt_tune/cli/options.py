@@ -42,7 +42,10 @@ def settings(device, precision, optimizer, batch_fn, loss_fn, hf_config, seq_len
     """The Settings of measure/session.py from the shared options (`peft`: a PeftSpec, or None)."""
     from ckpt_tune.measure.session import Settings
 
-    return Settings(device, precision, optimizer, batch_fn, loss_fn, hf_config, seq_len, attn, peft)
+    return Settings(
+        device=device, precision=precision, optimizer=optimizer, batch_fn=batch_fn, loss_fn=loss_fn,
+        hf_config=hf_config, seq_len=seq_len, attn=attn, peft=peft,
+    )
 
 
 def say_attention(hf_config, attn: str, seq_len: int) -> None:

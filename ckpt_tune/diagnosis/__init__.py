@@ -74,7 +74,7 @@ __all__ = [
 def diagnose(
     target: str | None,
     vram: str,
-    batch_size: int = 8,
+    batch_size: int | None = None,
     margin: str | None = None,
     settings: session.Settings | None = None,
     world_size: int | None = None,
@@ -85,6 +85,8 @@ def diagnose(
     """Measure one step of `target` at `batch_size` against `vram` (per GPU with `world_size`/`shard`),
     and when it does not fit, every remedy's peak, measured where a recorded step can show it."""
     settings = settings or session.Settings()
+    batch_size, world_size, shard = session.run_of(settings, batch_size, world_size, shard)
+    batch_size = batch_size or session.PROFILE_BATCH
     n, shard = check_shard(world_size, shard)
     if lora_rank < 1:
         raise CkptTuneError(f"--lora-rank must be at least 1, got {lora_rank}", "e.g. --lora-rank 8")

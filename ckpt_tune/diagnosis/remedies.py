@@ -20,7 +20,6 @@ from ckpt_tune.diagnosis.lora import lora_applied, lora_plan
 from ckpt_tune.diagnosis.result import Remedy
 from ckpt_tune.diagnosis.study import Names, Study
 from ckpt_tune.measure.loader import first_line
-from ckpt_tune.measure.runner import StepSettings
 from ckpt_tune.measure.tensors import local_tensor, storage_key
 from ckpt_tune.plan.entry import to_data
 from ckpt_tune.tune.memory_model import policy_options, price_out
@@ -209,7 +208,7 @@ def eight_bit_recorded(study: Study) -> None:
     names = row.config.get("checkpoint") or []
     study.say("recording with bitsandbytes' AdamW8bit" + (f", {len(names)} modules checkpointed" if names else ""))
     try:
-        with study.fresh_runner(StepSettings(step.device, step.precision, "adamw-8bit", step.fake_target)) as r:
+        with study.fresh_runner(replace(step, optimizer="adamw-8bit")) as r:
             m = r.measure(study.b, checkpoint=list(names), attribute=True)
     except Exception as e:  # a refinement of ours: the arithmetic row stays, with a note
         study.notes.append(f"8-bit optimizer not recorded ({first_line(e)}): arithmetic row kept")
@@ -229,7 +228,7 @@ def mixed_precision(study: Study) -> Remedy | None:
     if step.precision != "fp32":
         study.notes.append(f"precision is {step.precision} already: no autocast remedy")
         return None
-    settings = StepSettings(step.device, "bf16-mixed", step.optimizer, step.fake_target)
+    settings = replace(step, precision="bf16-mixed")
     # under fully_shard, bf16-mixed is FSDP2's MixedPrecisionPolicy (measure/sharded.py), not autocast
     policy = study.sharding == "measured" and study.shard != "zero1"
     study.say("recording with " + ("FSDP2's bf16 MixedPrecisionPolicy" if policy else "bf16 autocast"))

@@ -15,7 +15,7 @@ import datetime
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckpt_tune import yamlio
 from ckpt_tune.errors import BaselineError, PlanError, RegressionError
@@ -23,7 +23,7 @@ from ckpt_tune.plan import finetune
 from ckpt_tune.plan.entry import Entry, plain
 from ckpt_tune.plan.finetune import PeftSpec
 from ckpt_tune.units import format_bytes
-from ckpt_tune.vocab import DEVICES, OPTIMIZERS, PARTS, PRECISIONS, SHARDS, Parts, device_kind
+from ckpt_tune.vocab import DEVICES, OPTIMIZERS, PARTS, PRECISIONS, SHARDS, Parts, RunSpec, device_kind
 
 if TYPE_CHECKING:
     from ckpt_tune.measure.profiler import StepProfile
@@ -35,19 +35,17 @@ BREAKDOWN_KEYS = PARTS
 COMMENT_COLUMN = 40
 
 
-@dataclass(frozen=True)
-class CheckSettings:
-    """What a baseline was measured under; a check under other settings would compare apples and pears."""
+@dataclass(frozen=True, kw_only=True)
+class CheckSettings(RunSpec):
+    """What a baseline was measured under (a RunSpec: the device is compared by kind, so cuda:0 matches
+    cuda:1; with world_size > 1 every figure is rank 0's, recorded under the engine); a check under
+    other settings would compare apples and pears."""
 
-    batch_size: int  # micro-batch of the measured iteration
-    precision: str  # one of PRECISIONS
-    optimizer: str  # one of OPTIMIZERS (its state is part of the peak)
-    device: str  # "cpu", "cuda", "cuda:N", "meta"; compared by kind, so cuda:0 matches cuda:1
+    fixed_batch: ClassVar[bool] = True
+
     checkpoint: tuple[str, ...] = ()  # modules checkpointed by the --plan; () without one
     seq_len: int | None = None  # --hf-config targets only: the sequence length of the batch
     attn: str | None = None  # --hf-config targets only: the attention kernel
-    world_size: int = 1  # ranks of a sharded run; > 1: every figure is rank 0's, recorded under the engine
-    shard: str = "none"  # one of SHARDS: "none" exactly when world_size is 1
     peft: PeftSpec | None = None  # --hf-config targets only: LoRA / QLoRA (--peft), None: every parameter trains
 
 
@@ -146,16 +144,16 @@ def settings_of(
 ) -> CheckSettings:
     """The settings of a profiled step (`world_size`/`shard`: the sharded run whose rank 0 it is)."""
     return CheckSettings(
-        profile.batch_size,
-        profile.precision,
-        profile.optimizer,
-        profile.device,
-        tuple(checkpoint),
-        seq_len,
-        attn,
-        world_size,
-        shard,
-        peft,
+        batch_size=profile.batch_size,
+        precision=profile.precision,
+        optimizer=profile.optimizer,
+        device=profile.device,
+        checkpoint=tuple(checkpoint),
+        seq_len=seq_len,
+        attn=attn,
+        world_size=world_size,
+        shard=shard,
+        peft=peft,
     )
 
 
@@ -268,7 +266,8 @@ def write_baseline(baseline: Baseline, path: str | Path) -> Path:
 # --- the file in -----------------------------------------------------------------------------------
 
 _TOP_KEYS = tuple(f.name for f in fields(Baseline))
-_SETTING_KEYS = tuple(f.name for f in fields(CheckSettings))
+# the settings in the file's order, which is also the order a settings diff lists them in
+SETTING_KEYS = ("batch_size", "precision", "optimizer", "device", "checkpoint", "seq_len", "attn", "world_size", "shard", "peft")
 _OPTIONAL_SETTINGS = ("checkpoint", "seq_len", "attn", "world_size", "shard", "peft")
 _FIX = "baseline files are written by `ckpt-tune check`: fix the field, or record a new one with --update"
 _RESTORE = "restore it from version control, or record a new one with --update"
@@ -302,7 +301,7 @@ def load_baseline(path: str | Path) -> Baseline:
             f"is {data['version']!r}; this ckpt-tune reads version {BASELINE_VERSION}",
             "record a new baseline with --update",
         )
-    s = f.keys(data["settings"], _SETTING_KEYS, _OPTIONAL_SETTINGS, "settings.")
+    s = f.keys(data["settings"], SETTING_KEYS, _OPTIONAL_SETTINGS, "settings.")
     ckpt = s.get("checkpoint") or []
     if not isinstance(ckpt, list) or not all(_is_entry(n) for n in ckpt):
         raise f.fail(

@@ -9,12 +9,12 @@ tolerance. Settings that differ from the baseline's decide the status whatever t
 from __future__ import annotations
 
 import math
-from dataclasses import fields
 from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckpt_tune.gate.baseline import (
+    SETTING_KEYS,
     Baseline,
     CheckResult,
     CheckSettings,
@@ -46,17 +46,17 @@ def _shown(value):
 
 def settings_diff(baseline: CheckSettings, current: CheckSettings) -> tuple[SettingDiff, ...]:
     out = []
-    for f in fields(CheckSettings):
-        a, b = getattr(baseline, f.name), getattr(current, f.name)
-        if f.name == "device":
+    for name in SETTING_KEYS:
+        a, b = getattr(baseline, name), getattr(current, name)
+        if name == "device":
             same = device_kind(a) == device_kind(b)
-        elif f.name == "checkpoint":
+        elif name == "checkpoint":
             same = sorted(a, key=str) == sorted(b, key=str)  # the order of a plan's entries does not change what runs
         else:
             same = a == b
         if not same:
             out.append(
-                SettingDiff(f.name, _shown(a), _shown(b))
+                SettingDiff(name, _shown(a), _shown(b))
             )
     return tuple(out)
 

@@ -14,7 +14,6 @@ and different from the baseline's, they are settings that differ (exit 1), like 
 from __future__ import annotations
 
 import contextlib
-import difflib
 import os
 from collections.abc import Sequence
 from dataclasses import replace
@@ -36,7 +35,6 @@ from ckpt_tune.gate.explain import FLAGS, explain, raise_for_status
 from ckpt_tune.plan.entry import plain
 from ckpt_tune.plan.file import Plan, load_plan
 from ckpt_tune.units import format_bytes, format_percent, parse_percent
-from ckpt_tune.vocab import OPTIMIZERS, PRECISIONS
 
 if TYPE_CHECKING:
     from torch import nn
@@ -54,7 +52,7 @@ def run_check(
     tolerance: str | float = "5%",
     reserved_tolerance: str | float = "10%",
     update: bool = False,
-    batch_size: int = 8,
+    batch_size: int | None = None,
     settings: Settings | None = None,
     plan: str | Path | Plan | Sequence[str] | None = None,
     world_size: int | None = None,
@@ -72,9 +70,9 @@ def run_check(
     from ckpt_tune.measure.device import resolve_device
 
     settings = settings or session.Settings()
+    batch_size, world_size, shard = session.run_of(settings, batch_size, world_size, shard)
+    batch_size = batch_size or session.PROFILE_BATCH
     tol, rtol = parse_percent(tolerance), parse_percent(reserved_tolerance)
-    _check_choice("precision", settings.precision, PRECISIONS)
-    _check_choice("optimizer", settings.optimizer, OPTIMIZERS)
     path = Path(baseline_path)
     checkpoint, plan_obj = _plan_names(plan)
     device = resolve_device(settings.device)
@@ -87,16 +85,16 @@ def run_check(
         old = load_baseline(path)
     n, stage = resolve_sharding(world_size, shard, old, plan_obj)
     wanted = CheckSettings(
-        batch_size,
-        settings.precision,
-        settings.optimizer,
-        device,
-        checkpoint,
-        settings.seq_len if hf else None,
-        settings.attn if hf else None,
-        n,
-        stage,
-        settings.peft if hf else None,
+        batch_size=batch_size,
+        precision=settings.precision,
+        optimizer=settings.optimizer,
+        device=device,
+        checkpoint=checkpoint,
+        seq_len=settings.seq_len if hf else None,
+        attn=settings.attn if hf else None,
+        world_size=n,
+        shard=stage,
+        peft=settings.peft if hf else None,
     )
     plan_warnings = _plan_warnings(plan_obj, wanted)
     if old is not None and not update:
@@ -216,15 +214,6 @@ def _measure(fn):
         return fn()
 
 
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        close = difflib.get_close_matches(value, choices, n=1)
-        raise CkptTuneError(
-            f"unknown {name} {value!r}",
-            f"{f'did you mean {close[0]!r}? ' if close else ''}use one of {', '.join(choices)}",
-        )
-
-
 def _plan_warnings(plan: Plan | None, wanted: CheckSettings) -> list[str]:
     if plan is None:
         return []
@@ -281,7 +270,7 @@ def assert_peak_within(
 
         if callable(make_batch) or callable(loss_fn):
             raise TypeError("with a target string, make_batch= and loss_fn= are 'file.py:fn' strings")
-        settings = session.Settings(device, precision, optimizer, make_batch, loss_fn)
+        settings = session.Settings(device=device, precision=precision, optimizer=optimizer, batch_fn=make_batch, loss_fn=loss_fn)
         if not isinstance(baseline, Baseline):  # what the CLI does: settings checked before measuring
             res = run_check(
                 target_or_model,
@@ -362,9 +351,8 @@ def _profile_module(
     from ckpt_tune.measure.profiler import profile_model
     from ckpt_tune.measure.runner import StepSettings
 
-    _check_choice("precision", precision, PRECISIONS)
-    _check_choice("optimizer", optimizer, OPTIMIZERS)
     dev = resolve_device(device)
+    step = StepSettings(device=dev, precision=precision, optimizer=optimizer)  # validated before the model moves
     model.to(dev)
 
     def batch_fn(b: int):
@@ -373,7 +361,6 @@ def _profile_module(
     def loss(m, batch):
         return loss_fn(m, batch) if loss_fn is not None else user_code.default_loss(user_code.call_model(m, batch))
 
-    step = StepSettings(dev, precision, optimizer)
     runner = None
     if world_size > 1:
         from ckpt_tune.measure.sharded import ShardedRunner

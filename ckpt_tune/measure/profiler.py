@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import json
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ from torch import nn
 from ckpt_tune.measure.runner import Measurement, StepRunner, StepSettings
 from ckpt_tune.measure.tensors import unique_bytes
 from ckpt_tune.measure.timing import Timing
-from ckpt_tune.vocab import Parts
+from ckpt_tune.vocab import Parts, RunSpec
 
 OUTSIDE = "(outside the model)"
 
@@ -50,13 +50,14 @@ class Scaling:
         return self.fixed_bytes + self.per_sample_bytes * batch_size
 
 
-@dataclass(frozen=True)
-class StepProfile:
+@dataclass(frozen=True, kw_only=True)
+class StepProfile(RunSpec):
+    """One profiled iteration: the RunSpec it ran under (its batch size, and under a sharded engine its
+    world_size and shard), where its memory went, and its time."""
+
+    fixed_batch: ClassVar[bool] = True
+
     target: str
-    device: str
-    precision: str
-    optimizer: str
-    batch_size: int
     torch_version: str
     measured_by: str  # what the peak comes from
     peak_bytes: int  # largest live bytes of the iteration, parameters included
@@ -286,6 +287,8 @@ def build_profile(
         precision=settings.precision,
         optimizer=settings.optimizer,
         batch_size=m.batch_size,
+        world_size=settings.world_size,
+        shard=settings.shard,
         torch_version=str(torch.__version__),
         measured_by=(
             "torch.cuda.max_memory_allocated" if cuda

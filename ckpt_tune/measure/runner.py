@@ -37,10 +37,9 @@ SEED = 0
 
 
 @dataclass(frozen=True)
-class StepSettings:
-    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
-    precision: str = "fp32"  # one of vocab.PRECISIONS
-    optimizer: str = "adamw"  # one of vocab.OPTIMIZERS
+class StepSettings(vocab.RunSpec):
+    """How a runner steps (vocab.RunSpec; its batch size is each step's own)."""
+
     fake_target: str = "cuda"  # device "meta": the allocator the fake timeline mimics ("cuda" or "cpu")
 
 
@@ -79,8 +78,6 @@ class StepRunner:
         loss_fn: Callable[[nn.Module, Any], torch.Tensor],
         settings: StepSettings = StepSettings(),
     ) -> None:
-        vocab.known("precision", settings.precision, vocab.PRECISIONS)
-        vocab.optimizer(settings.optimizer)
         self.model, self.batch_fn, self.loss_fn, self.settings = model, batch_fn, loss_fn, settings
         self.fake = settings.device == "meta"  # fake tensors: the CPU-device graph, nothing allocated
         self.device = torch.device("cpu" if self.fake else settings.device)

@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -24,23 +25,40 @@ from ckpt_tune.measure.loader import HOST_OOM, MISSING_KERNEL
 from ckpt_tune.measure.profiler import StepProfile, profile_model
 from ckpt_tune.measure.runner import StepRunner, StepSettings
 from ckpt_tune.plan.finetune import PeftSpec
+from ckpt_tune.vocab import RunSpec
 
 _PACKAGE = Path(__file__).resolve().parents[1]  # ckpt_tune/
 
 
-@dataclass(frozen=True)
-class Settings:
-    """How the target is loaded and the iteration is run (the options shared by all commands)."""
+@dataclass(frozen=True, kw_only=True)
+class Settings(RunSpec):
+    """How the target is loaded and the iteration is run (the options shared by all commands): a
+    `RunSpec` whose device may be None or "auto", and the target's loading options.
+
+    `batch_size`, `world_size` and `shard` are the run's when a command is not given its own."""
+
+    unresolved_device: ClassVar[bool] = True
 
     device: str | None = None  # None/"auto": cuda when available, else cpu
-    precision: str = "fp32"
-    optimizer: str = "adamw"
     batch_fn: str | None = None  # --batch-fn override, "file.py:fn"
     loss_fn: str | None = None  # --loss-fn override
     hf_config: str | None = None  # --hf-config config.json: build a Hugging Face causal LM from it
     seq_len: int = 512  # --seq-len for --hf-config
     attn: str = "sdpa"  # --attn for --hf-config
     peft: PeftSpec | None = None  # --peft lora|qlora (and --lora-*) for --hf-config
+
+
+PROFILE_BATCH = 8  # the micro-batch profile, check and diagnose measure at when none is given
+
+
+def run_of(
+    settings: Settings, batch_size: int | None, world_size: int | None, shard: str | None
+) -> tuple[int | None, int | None, str | None]:
+    """The batch size and sharded run a command works at: its own arguments, else the settings'. The
+    sharded run is the settings' only when the command was given neither `world_size` nor `shard`."""
+    if world_size is None and shard is None and settings.world_size > 1:
+        world_size, shard = settings.world_size, settings.shard
+    return (settings.batch_size if batch_size is None else batch_size), world_size, shard
 
 
 def load(target: str | loader.Target | None, settings: Settings) -> loader.Target:
@@ -147,7 +165,9 @@ def build_runner(
     a sharded run under PyTorch's own engine (measure/sharded.py; `sharded_engine` says where it can),
     with shard units `units_of(model)` (None: sharded.default_units)."""
     device = resolve_device(settings.device)
-    step = StepSettings(device=device, precision=settings.precision, optimizer=settings.optimizer)
+    step = StepSettings(
+        device=device, precision=settings.precision, optimizer=settings.optimizer, world_size=world_size, shard=shard
+    )
     if device == "meta":  # fake tensors: nothing is allocated; the CUDA allocator's rounding is modelled
         from ckpt_tune.measure import fake_inputs
 
@@ -208,16 +228,19 @@ def _too_large_sharded(world_size: int, shard: str) -> StepRunner:
 
 def profile(
     target: str | None,
-    batch_size: int = 8,
+    batch_size: int | None = None,
     settings: Settings = Settings(),
     checkpoint: tuple[str, ...] = (),
     scaling: bool = True,
-    world_size: int = 1,
-    shard: str = "none",
+    world_size: int | None = None,
+    shard: str | None = None,
     units_of: Callable[[nn.Module], Sequence[str]] | None = None,
 ) -> StepProfile:
     """Profile one training iteration of the target at `batch_size`; with `world_size` > 1, rank 0's
-    under the sharding engine where `sharded_engine` says it runs (build_runner)."""
+    under the sharding engine where `sharded_engine` says it runs (build_runner). Arguments left None
+    are the settings' (`run_of`); the batch then defaults to PROFILE_BATCH, the run to one device."""
+    batch_size, world_size, shard = run_of(settings, batch_size, world_size, shard)
+    batch_size, world_size, shard = batch_size or PROFILE_BATCH, world_size or 1, shard or "none"
     t = load(target, settings)
     model, runner, step = build_runner(t, settings, world_size, shard, units_of)
     with user_errors("profiling"):

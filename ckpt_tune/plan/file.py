@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ckpt_tune import yamlio
 from ckpt_tune.errors import PlanError
@@ -17,7 +17,7 @@ from ckpt_tune.plan import finetune
 from ckpt_tune.plan.entry import Entry, entries_of, member_names, to_data
 from ckpt_tune.plan.finetune import PeftSpec
 from ckpt_tune.units import format_bytes
-from ckpt_tune.vocab import DEVICES, OPTIMIZERS, PRECISIONS, SHARDINGS, SHARDS
+from ckpt_tune.vocab import DEVICES, OPTIMIZERS, PRECISIONS, SHARDINGS, SHARDS, RunSpec
 
 PLAN_VERSION = 1
 # the stages that call fully_shard on the plan's shard units (zero1 shards the optimizer only)
@@ -26,14 +26,17 @@ FULLY_SHARDED = ("zero2", "zero3", "fsdp")
 ShardUnit = str | tuple[str, ...]  # a module name, or names sharded together as one group
 
 
-@dataclass(frozen=True)
-class Plan:
+@dataclass(frozen=True, kw_only=True)
+class Plan(RunSpec):
+    """A plan file's contents. Its header is a RunSpec: the device ("cpu", "cuda" or "meta": predicted
+    under fake tensors, never run on a device), precision, optimizer (its state is part of the peak),
+    micro-batch per step, and the sharded run (world_size, shard; docs/design.md §6) the budget and every
+    peak below are per rank of."""
+
+    fixed_batch: ClassVar[bool] = True
+
     target: str  # "path/to/file.py:fn" or "package.module:fn" that builds the model
-    device: str  # "cpu" | "cuda" | "meta" (meta: predicted under fake tensors, never run on a device)
-    precision: str  # one of PRECISIONS
-    optimizer: str  # one of OPTIMIZERS; its state is part of the peak
     budget_bytes: int | None  # the budget searched against; None when the plan was not searched for one
-    batch_size: int  # micro-batch per step
     grad_accum_steps: int  # micro-batches per optimizer step
     checkpoint: tuple[Entry, ...]  # what to checkpoint: modules, or runs of blocks (plan/entry.py)
     predicted_peak_bytes: int  # memory model's peak for one iteration with this plan
@@ -44,10 +47,8 @@ class Plan:
     first_predicted_peak_bytes: int | None = None
     predicted_from_run: bool = False
     version: int = PLAN_VERSION
-    # A sharded run (docs/design.md §6); the budget and every peak above are per rank. The defaults
-    # are one device, and a plan file without these keys means one device.
-    world_size: int = 1  # ranks of the run
-    shard: str = "none"  # one of SHARDS
+    # A sharded run's units and figures; a plan file without these keys (and world_size, shard) means
+    # one device.
     shard_units: tuple[ShardUnit, ...] = ()  # fully_shard each, in this order, then the root (zero2/3, fsdp)
     sharding: str = "none"  # how the per-rank figures were obtained: one of SHARDINGS
     # tokens per sample of the batches the plan was made for (--hf-config's --seq-len); None: the
@@ -57,6 +58,7 @@ class Plan:
     peft: PeftSpec | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         # entries may be given in their data form ("blocks.0", ["blocks.1", "blocks.2"]): keep the type
         object.__setattr__(self, "checkpoint", entries_of(self.checkpoint))
         units = tuple(u if isinstance(u, str) else tuple(u) for u in self.shard_units)

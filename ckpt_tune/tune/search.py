@@ -24,7 +24,7 @@ from ckpt_tune.errors import CkptTuneError, NoFitError
 from ckpt_tune.measure.device import Budget, parse_budget, resolve_device
 from ckpt_tune.measure.fake import as_fake_mode_error
 from ckpt_tune.measure.loader import Target
-from ckpt_tune.measure.session import Settings, build_runner, fake_twin, load, user_errors
+from ckpt_tune.measure.session import Settings, build_runner, fake_twin, load, run_of, user_errors
 from ckpt_tune.plan.file import FULLY_SHARDED, Plan
 from ckpt_tune.tune.candidates import find_blocks
 from ckpt_tune.tune.kinds import KINDS
@@ -54,8 +54,8 @@ def search(
     margin: str | None = None,
     settings: Settings = Settings(),
     progress: Callable[[str], None] | None = None,
-    world_size: int = 1,
-    shard: str = "none",
+    world_size: int | None = None,
+    shard: str | None = None,
     segments: bool = True,
     candidates: frozenset[str] | None = None,
     fake_probes: bool = True,
@@ -75,6 +75,7 @@ def search(
     Raises CkptTuneError for a kind refused on the device (offload on the CPU, where host and device
     are the same memory)."""
     t0 = time.perf_counter()
+    batch_size, world_size, shard = run_of(settings, batch_size, world_size, shard)
     t = load(target, settings)
     device = resolve_device(settings.device)
     for kind in (KINDS[name] for name in candidates or ()):
