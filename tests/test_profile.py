@@ -154,3 +154,12 @@ def test_the_timeline_split_into_parts_adds_up_and_its_largest_point_is_the_brea
     top = max(prof.part_timeline, key=lambda p: sum(p[1:]))
     assert sum(top[1:]) == prof.peak_bytes
     assert tuple(top[1:]) == (b.params, b.grads, b.optimizer, b.activations, b.other)
+
+
+def test_a_command_runs_at_the_settings_batch_and_device_unless_given_its_own():
+    from ckpt_tune import Settings, profile
+
+    settings = Settings(device="meta", optimizer="sgd", batch_size=3)
+    prof = profile("examples/gpt.py:build", settings=settings, scaling=False)
+    assert (prof.batch_size, prof.device, prof.optimizer, prof.world_size) == (3, "meta", "sgd", 1)
+    assert profile("examples/gpt.py:build", batch_size=2, settings=settings, scaling=False).batch_size == 2
