@@ -33,15 +33,15 @@ from ckpt_tune.cli.options import (
 from ckpt_tune.gate import change_percent, show_setting, signed_bytes
 from ckpt_tune.plan.entry import member_names
 from ckpt_tune.units import format_bytes, format_percent
+from ckpt_tune.vocab import Part
 
-_PART_LABELS = {
-    "param_bytes": "parameters + buffers",
-    "grad_bytes": "gradients",
-    "optimizer_bytes": "optimizer state",
+_PART_LABELS = {  # the baseline's parts: the whole step's, then the breakdown's (labels: vocab.Part)
+    "param_bytes": Part.PARAMS.label,
+    "grad_bytes": Part.GRADS.label,
+    "optimizer_bytes": Part.OPTIMIZER.label,
     "activation_total_bytes": "saved for backward (all)",
     "unattributed_activation_bytes": "  of which outside every module",
-    "breakdown.activations": "at the peak: activations",
-    "breakdown.other": "at the peak: batch, logits, temporaries",
+    **{f"breakdown.{p.value}": f"at the peak: {p.label}" for p in (Part.ACTIVATIONS, Part.OTHER)},
 }
 
 

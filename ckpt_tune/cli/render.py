@@ -69,14 +69,8 @@ def breakdown_panel(prof: StepProfile) -> Panel:
     t.add_column()
     t.add_column(justify="right")
     t.add_column(justify="right")
-    for label, val in (
-        ("parameters + buffers", b.params),
-        ("gradients", b.grads),
-        ("optimizer state", b.optimizer),
-        ("activations (saved for backward)", b.activations),
-        ("other: batch, logits/loss, temporaries", b.other),
-    ):
-        t.add_row(label, format_bytes(val), _pct(val, prof.peak_bytes))
+    for part, val in b.items():  # the five parts, with their labels (vocab.Part)
+        t.add_row(part.label, format_bytes(val), _pct(val, prof.peak_bytes))
     t.add_row("[bold]peak[/bold]", f"[bold]{format_bytes(prof.peak_bytes)}[/bold]", "100%")
     lines = [
         t,
