@@ -160,10 +160,12 @@ class RunSpec:
     fixed_batch: ClassVar[bool] = False  # whether batch_size must be given (a plan, a profile, a baseline)
 
     def __post_init__(self) -> None:
-        if self.device in (None, AUTO):
+        # read as measure/device.py reads a device: case and surrounding blanks aside
+        text = self.device.strip().lower() if isinstance(self.device, str) else self.device
+        if text in (None, AUTO):
             if not self.unresolved_device:
                 raise CkptTuneError(f"{type(self).__name__} needs a device, got {self.device!r}", "resolve it first")
-        elif not isinstance(self.device, str) or device_kind(self.device) not in DEVICES:
+        elif not isinstance(text, str) or device_kind(text) not in DEVICES:
             raise CkptTuneError(f"unknown device {self.device!r}", f"use {AUTO}, cpu, cuda, cuda:N or meta")
         known("precision", self.precision, PRECISIONS)
         known("optimizer", self.optimizer, OPTIMIZERS)
@@ -178,9 +180,6 @@ class RunSpec:
                 f"its stage ({', '.join(SHARDS[1:])}), one device has none",
                 "e.g. world_size 8 with shard fsdp, or world_size 1 with shard none",
             )
-
-
-RUN_FIELDS = ("device", "precision", "optimizer", "batch_size", "world_size", "shard")
 
 
 # -- the five parts of a step's memory ----------------------------------------------------------------

@@ -646,3 +646,6 @@ def test_a_baseline_file_holds_every_setting_and_a_run_spec_validates_them():
         ck.CheckSettings()
     with pytest.raises(CkptTuneError, match="shard 'none' at world_size 8"):
         ck.CheckSettings(batch_size=8, world_size=8)
+    # a device is read as the command line reads it: case and blanks aside
+    assert ck.CheckSettings(batch_size=8, device="CUDA:1").device == "CUDA:1"
+    assert Settings(device=" Auto ").device == " Auto "

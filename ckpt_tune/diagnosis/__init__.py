@@ -86,7 +86,6 @@ def diagnose(
     and when it does not fit, every remedy's peak, measured where a recorded step can show it."""
     settings = settings or session.Settings()
     batch_size, world_size, shard = session.run_of(settings, batch_size, world_size, shard)
-    batch_size = batch_size or session.PROFILE_BATCH
     n, shard = check_shard(world_size, shard)
     if lora_rank < 1:
         raise CkptTuneError(f"--lora-rank must be at least 1, got {lora_rank}", "e.g. --lora-rank 8")

@@ -71,7 +71,6 @@ def run_check(
 
     settings = settings or session.Settings()
     batch_size, world_size, shard = session.run_of(settings, batch_size, world_size, shard)
-    batch_size = batch_size or session.PROFILE_BATCH
     tol, rtol = parse_percent(tolerance), parse_percent(reserved_tolerance)
     path = Path(baseline_path)
     checkpoint, plan_obj = _plan_names(plan)
@@ -352,7 +351,8 @@ def _profile_module(
     from ckpt_tune.measure.runner import StepSettings
 
     dev = resolve_device(device)
-    step = StepSettings(device=dev, precision=precision, optimizer=optimizer)  # validated before the model moves
+    # validated before the model moves; the sharded run too, so the profile records it
+    step = StepSettings(device=dev, precision=precision, optimizer=optimizer, world_size=world_size, shard=shard)
     model.to(dev)
 
     def batch_fn(b: int):

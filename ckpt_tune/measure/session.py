@@ -52,13 +52,19 @@ PROFILE_BATCH = 8  # the micro-batch profile, check and diagnose measure at when
 
 
 def run_of(
-    settings: Settings, batch_size: int | None, world_size: int | None, shard: str | None
+    settings: Settings,
+    batch_size: int | None,
+    world_size: int | None,
+    shard: str | None,
+    default_batch: int | None = PROFILE_BATCH,
 ) -> tuple[int | None, int | None, str | None]:
-    """The batch size and sharded run a command works at: its own arguments, else the settings'. The
-    sharded run is the settings' only when the command was given neither `world_size` nor `shard`."""
+    """The batch size and sharded run a command works at: its own arguments, else the settings', else
+    `default_batch` (None: the command finds the batch). The sharded run is the settings' only when the
+    command was given neither `world_size` nor `shard`."""
     if world_size is None and shard is None and settings.world_size > 1:
         world_size, shard = settings.world_size, settings.shard
-    return (settings.batch_size if batch_size is None else batch_size), world_size, shard
+    batch = next((b for b in (batch_size, settings.batch_size) if b is not None), default_batch)
+    return batch, world_size, shard
 
 
 def load(target: str | loader.Target | None, settings: Settings) -> loader.Target:
@@ -240,7 +246,7 @@ def profile(
     under the sharding engine where `sharded_engine` says it runs (build_runner). Arguments left None
     are the settings' (`run_of`); the batch then defaults to PROFILE_BATCH, the run to one device."""
     batch_size, world_size, shard = run_of(settings, batch_size, world_size, shard)
-    batch_size, world_size, shard = batch_size or PROFILE_BATCH, world_size or 1, shard or "none"
+    world_size, shard = world_size or 1, shard or "none"
     t = load(target, settings)
     model, runner, step = build_runner(t, settings, world_size, shard, units_of)
     with user_errors("profiling"):

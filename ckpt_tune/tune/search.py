@@ -75,7 +75,7 @@ def search(
     Raises CkptTuneError for a kind refused on the device (offload on the CPU, where host and device
     are the same memory)."""
     t0 = time.perf_counter()
-    batch_size, world_size, shard = run_of(settings, batch_size, world_size, shard)
+    batch_size, world_size, shard = run_of(settings, batch_size, world_size, shard, default_batch=None)
     t = load(target, settings)
     device = resolve_device(settings.device)
     for kind in (KINDS[name] for name in candidates or ()):
