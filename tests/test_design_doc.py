@@ -39,7 +39,7 @@ def _modules() -> dict[str, list[str]]:
 
 def _row_of(rows: list[tuple[str, str]], directory: str, module: str) -> str | None:
     for where, owns in rows:
-        dirs = re.findall(r"`(?:ckpt_tune/)?([a-z_]+)/`", where)
+        dirs = re.findall(r"`(?:ckpt_tune/)?([a-z_/]+?)/`", where)
         files = re.findall(r"`([a-z_]+\.py)`", where)
         if (directory and directory in dirs) or (not directory and module in files):
             return owns + " " + where
@@ -59,7 +59,7 @@ def test_every_module_of_the_package_is_in_the_layers_table() -> None:
 
 def test_the_layers_table_names_no_module_that_does_not_exist() -> None:
     known = {m for modules in _modules().values() for m in modules} | {"__init__.py"}
-    named = {m for where, owns in _table() for m in re.findall(r"`(?:[a-z_]+/)?([a-z_]+\.py)`", where + owns)}
+    named = {m for where, owns in _table() for m in re.findall(r"`(?:[a-z_/]+/)?([a-z_]+\.py)`", where + owns)}
     assert named <= known, f"named in the layers table, not in the package: {sorted(named - known)}"
 
 

@@ -14,7 +14,8 @@ import torch
 from ckpt_tune import apply
 from ckpt_tune.measure.runner import StepRunner
 from ckpt_tune.plan.entry import Entry
-from ckpt_tune.tune.candidates import chain_of, find_blocks, find_groups, find_sub_options, group_spans
+from ckpt_tune.plan.kinds.checkpoint import find_sub_options
+from ckpt_tune.tune.candidates import chain_of, find_blocks, find_groups, group_spans
 from ckpt_tune.tune.memory_model import BlockTerms, SegmentTerms, Terms, plan_entries, with_segment
 from ckpt_tune.tune.planner import brute_force, solve
 from ckpt_tune.tune.searcher import Searcher

@@ -1,4 +1,4 @@
-"""The kinds of plan choice as registered units (plan/kinds.py, tune/kinds.py)."""
+"""The kinds of plan choice as registered units (plan/kinds/: one module per kind)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,15 @@ from torch import nn
 from ckpt_tune.errors import CkptTuneError, PlanError
 from ckpt_tune.plan.apply import applied_names, apply, remove
 from ckpt_tune.plan.entry import Entry
-from ckpt_tune.plan.kinds import KINDS as ENTRY_KINDS
-from ckpt_tune.plan.kinds import Action
-from ckpt_tune.tune.kinds import KINDS, RECOMPUTE, candidates_help, kind_of, parse_candidates
+from ckpt_tune.plan.kinds import (
+    ENTRY_KINDS,
+    KINDS,
+    RECOMPUTE,
+    Action,
+    candidates_help,
+    kind_of,
+    parse_candidates,
+)
 from ckpt_tune.tune.memory_model import plan_entries
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ckpt_tune"
@@ -75,6 +81,18 @@ def test_a_module_wrapped_as_one_kind_is_not_wrapped_as_another() -> None:
     apply(model, ["blocks.0"])  # the same entry again: nothing to do
 
 
+def test_a_kind_is_one_module_with_its_entry_and_its_choices() -> None:
+    """Each module of plan/kinds/ (but the base and the registry) holds one entry kind and the choice
+    kinds that make its entries; each entry kind has a runtime module of ckpt_tune.plan."""
+    modules = {p.stem for p in (PACKAGE / "plan" / "kinds").glob("*.py")} - {"__init__", "base"}
+    entry_home = {type(e).__module__.rpartition(".")[2]: e for e in ENTRY_KINDS.values()}
+    assert set(entry_home) == modules
+    for kind in KINDS.values():
+        assert type(kind).__module__ == type(kind.entry).__module__, kind.name
+    for entry in ENTRY_KINDS.values():
+        assert all((PACKAGE / "plan" / f"{name}.py").is_file() for name in entry.runtime), entry.action
+
+
 def test_every_option_of_the_search_has_exactly_one_kind() -> None:
     options = ("none", "block", "attn", "attn+mlp", "@matmuls", "@half-matmuls", "@attention", "@offload", "block")
     for option in options[2:]:
@@ -112,7 +130,7 @@ def test_candidates_are_read_and_described_from_the_kinds() -> None:
 def test_no_module_outside_the_kinds_branches_on_a_kind() -> None:
     """Search, diagnosis, the CLI and the plan's other modules look kinds up: none tests an entry's
     action or a --candidates word (plan/entry.py builds entries of each action)."""
-    allowed = {"plan/kinds.py", "tune/kinds.py", "plan/entry.py"}
+    allowed = {"plan/entry.py", *(f"plan/kinds/{p.name}" for p in (PACKAGE / "plan" / "kinds").glob("*.py"))}
     words = "|".join(KINDS)
     pattern = re.compile(rf"Action\.[A-Z]+|[\"']({words})[\"'] (not )?in\b|== [\"']({words})[\"']")
     found = [

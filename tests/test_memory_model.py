@@ -81,7 +81,7 @@ def test_cut_run_on_a_hand_made_curve():
 
 
 def test_finer_options_are_the_composite_children_every_block_has():
-    from ckpt_tune.tune.candidates import find_sub_options
+    from ckpt_tune.plan.kinds.checkpoint import find_sub_options
 
     vit = ZOO["vit_dropout"].build()
     assert find_sub_options(vit, find_blocks(vit)) == ["attn", "mlp", "attn+mlp"]

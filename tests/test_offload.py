@@ -16,8 +16,9 @@ from ckpt_tune.plan import offload
 from ckpt_tune.plan.apply import applied_names, apply, remove
 from ckpt_tune.plan.entry import Action, Entry
 from ckpt_tune.plan.file import Plan, load_plan, write_plan
+from ckpt_tune.plan.kinds import parse_candidates
+from ckpt_tune.plan.kinds.offload import DEVICE_FLOPS, exposed_transfer
 from ckpt_tune.plan.patch import patch_snippet
-from ckpt_tune.tune.kinds import DEVICE_FLOPS, exposed_transfer, parse_candidates
 from ckpt_tune.tune.search import search
 from examples import gpt
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from ckpt_tune.measure.runner import StepRunner, StepSettings
 from ckpt_tune.plan.entry import Action, to_data
-from ckpt_tune.tune.kinds import policy_of
+from ckpt_tune.plan.kinds import policy_of
 from ckpt_tune.tune.memory_model import predict
 from ckpt_tune.tune.planner import solve
 from ckpt_tune.tune.searcher import Searcher
@@ -156,7 +156,7 @@ def test_under_fake_tensors_a_policy_as_dear_as_the_whole_block_on_its_roofline_
 @pytest.mark.parametrize("bad", ["blocks,opz", ""])
 def test_unknown_candidate_kinds_are_refused_with_a_hint(bad) -> None:
     from ckpt_tune.errors import CkptTuneError
-    from ckpt_tune.tune.kinds import parse_candidates
+    from ckpt_tune.plan.kinds import parse_candidates
 
     with pytest.raises(CkptTuneError) as info:
         parse_candidates(bad)

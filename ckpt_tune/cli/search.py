@@ -28,7 +28,7 @@ from ckpt_tune.cli.options import (
     SeqLen,
     TargetArg,
 )
-from ckpt_tune.tune.kinds import candidates_help
+from ckpt_tune.plan.kinds import candidates_help
 
 
 def search(
@@ -65,9 +65,9 @@ def search(
     """The largest batch that fits VRAM and the cheapest verified checkpoint plan that reaches it."""
     from ckpt_tune.cli import render as report
     from ckpt_tune.plan.file import plan_to_yaml, write_plan
+    from ckpt_tune.plan.kinds import parse_candidates
     from ckpt_tune.plan.patch import patch_snippet
     from ckpt_tune.tune import search as search_api
-    from ckpt_tune.tune.kinds import parse_candidates
 
     settings = options.settings(device, precision, optimizer, batch_fn, loss_fn, hf_config, seq_len, attn,
                                 peft=options.peft_spec(peft, lora_r, lora_alpha, lora_dropout, lora_targets))

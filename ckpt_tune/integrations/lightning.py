@@ -42,7 +42,7 @@ from ckpt_tune.measure.loader import Target
 from ckpt_tune.measure.session import Settings
 from ckpt_tune.plan.apply import applied_names, apply, remove
 from ckpt_tune.plan.file import Plan, write_plan
-from ckpt_tune.tune.kinds import parse_candidates
+from ckpt_tune.plan.kinds import parse_candidates
 from ckpt_tune.tune.search import SearchOutcome, search
 from ckpt_tune.units import format_bytes, format_percent
 

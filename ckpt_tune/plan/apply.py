@@ -1,4 +1,4 @@
-"""Apply a plan to a model in place: each entry wrapped by its kind's runtime (plan/kinds.py).
+"""Apply a plan to a model in place: each entry wrapped by its kind's runtime (plan/kinds/).
 
 Only memory and time may change (docs/design.md §5): same loss, gradients, BatchNorm running statistics and
 random stream. The wrappers (plan/checkpoint.py, plan/segment.py, plan/offload.py) replace `forward` on
@@ -21,7 +21,7 @@ from torch import nn
 from ckpt_tune.errors import PlanError
 from ckpt_tune.plan.entry import Entry, entries_of, member_names
 from ckpt_tune.plan.file import Plan, load_plan
-from ckpt_tune.plan.kinds import KINDS
+from ckpt_tune.plan.kinds import ENTRY_KINDS
 from ckpt_tune.plan.segment import is_segment
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ _SAVED_CACHE_ATTR = "_ckpt_tune_use_cache_off"
 
 def _wrapped_as(module: nn.Module) -> str | None:
     """How a module of ours is wrapped, in its kind's words (`Kind.state`), or None."""
-    return next((s for kind in KINDS.values() if (s := kind.state_of(module)) is not None), None)
+    return next((s for kind in ENTRY_KINDS.values() if (s := kind.state_of(module)) is not None), None)
 
 
 def _is_wrapped(module: nn.Module) -> bool:
@@ -175,7 +175,7 @@ def apply(model: nn.Module, plan_or_path: Plan | str | Path | dict | Sequence) -
 
 
 def _apply_entry(model: nn.Module, entry: Entry, modules: list[nn.Module]) -> None:
-    """Run the entry's call (plan/kinds.py), unless its modules are wrapped so already; a module wrapped
+    """Run the entry's call (plan/kinds/), unless its modules are wrapped so already; a module wrapped
     otherwise is an error."""
     if entry.is_segment and is_segment(modules):
         return
@@ -194,7 +194,7 @@ def remove(model: nn.Module) -> None:
     """Undo `apply` (or the patch snippet): restore every wrapped module's original forward, and the
     `use_cache` settings `apply` turned off."""
     for module in model.modules():
-        for kind in KINDS.values():
+        for kind in ENTRY_KINDS.values():
             kind.undo(module)
     for config in model.__dict__.pop(_SAVED_CACHE_ATTR, []):
         config.use_cache = True

@@ -2,7 +2,7 @@
 
 An entry acts on one module (`blocks.3`) or on a run of consecutive blocks (`blocks.2..blocks.4`, a
 segment), and its `action` says what happens there. Each action is a kind of entry registered in
-plan/kinds.py, which holds its data forms, label and wrapper; `Entry` is the value they share.
+plan/kinds/, which holds its data forms, label and wrapper; `Entry` is the value they share.
 
 Pure: no torch, no device.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_tune.errors import PlanError
-from ckpt_tune.plan.kinds import KINDS, POLICIES, Action, Call, Kind, parse
+from ckpt_tune.plan.kinds import ENTRY_KINDS, POLICIES, Action, Call, EntryKind, parse
 
 __all__ = ["POLICIES", "Action", "Entry", "entries_of", "member_names", "plain", "to_data"]
 
@@ -65,8 +65,8 @@ class Entry:
         return cls(modules, action, policy)
 
     @property
-    def kind(self) -> Kind:
-        return KINDS[self.action]
+    def kind(self) -> EntryKind:
+        return ENTRY_KINDS[self.action]
 
     @property
     def is_segment(self) -> bool:

@@ -114,7 +114,7 @@ _SHARDING_COMMENT = {
     "arithmetic": "one device's step divided by the ranks",
 }
 def entry_yaml(entry: Entry) -> str:
-    """One item of the `checkpoint` list: its data form (plan/kinds.py) in YAML flow style (`  - name`,
+    """One item of the `checkpoint` list: its data form (plan/kinds/) in YAML flow style (`  - name`,
     a flow list for a run of blocks, a flow mapping for a module under an op policy or offloaded),
     with its kind's comment."""
     data = entry.to_data()

@@ -1,7 +1,7 @@
 """The patch snippet: Python source a user pastes after building the model, torch only.
 
 It applies the plan's entries exactly as `ckpt_tune.apply` does (plan/apply.py): it embeds, as they
-are, the runtime modules of the plan's kinds (plan/kinds.py: plan/checkpoint.py, plan/segment.py,
+are, the runtime modules of the plan's kinds (plan/kinds/: plan/checkpoint.py, plan/segment.py,
 plan/offload.py, plan/policy.py) and makes each entry's call, so `applied_names` and `remove` recognise
 modules wrapped by either. A plan for several ranks then shards the model as `ckpt_tune.shard` does
 (plan/shard.py), with torch's public API: `fully_shard` on each shard unit and the root, or for zero1 a
@@ -16,7 +16,7 @@ import json
 
 from ckpt_tune.plan.file import Plan
 from ckpt_tune.plan.finetune import peft_code
-from ckpt_tune.plan.kinds import KINDS, runtime_module
+from ckpt_tune.plan.kinds import ENTRY_KINDS, runtime_module
 from ckpt_tune.plan.shard import ENGINES, MIXED
 from ckpt_tune.units import format_bytes
 
@@ -202,7 +202,7 @@ def patch_snippet(plan: Plan, *, hf: bool = False, embed: bool = True) -> str:
     names = "[" + "".join(f"\n    {json.dumps(e.to_data())}," for e in plan.checkpoint) + ("\n]" if plan.checkpoint else "]")
     calls = "".join(f"    {e.call().source()}\n" for e in plan.checkpoint)
     # the HF form falls back to the plain wrapper, and its own code needs torch: checkpoint.py always
-    whole = next(k for k in KINDS.values() if k.whole)
+    whole = next(k for k in ENTRY_KINDS.values() if k.whole)
     runtime = [*whole.runtime * hf, *(r for e in plan.checkpoint for r in e.kind.runtime)]
     body = "".join(_module_source(r, set(runtime)) if embed else _module_line(r) for r in dict.fromkeys(runtime))
     body += _SNIPPET_APPLY.replace("{function}", "_apply_plain" if hf else "apply_checkpointing").replace("{calls}", calls)

@@ -11,7 +11,7 @@ Blocks nest: a ResNet stage (`stages.0`) is a block of `stages` and holds the re
 - a *group* is a block with blocks inside it; checkpointing it whole covers its leaves as one run
   (an interval of the chain, like a segment), and planning through it means choosing for its leaves.
 
-Finer options are the large sub-modules a leaf has (attention, MLP).
+Finer options (a leaf's large sub-modules, op policies, offload) are the kinds' (plan/kinds/).
 """
 
 from __future__ import annotations
@@ -228,40 +228,3 @@ def group_spans(units: tuple[str, ...], groups: dict[str, list[str]]) -> dict[tu
         if len(idx) >= 2 and idx == list(range(idx[0], idx[-1] + 1)):
             spans[(idx[0], idx[-1])] = g  # outer groups come last and win
     return spans
-
-
-_NOT_WORTH_A_CHECKPOINT = (nn.LayerNorm, nn.Dropout, nn.Embedding, nn.modules.batchnorm._NormBase)
-MAX_SUB_OPTIONS = 3  # finer options kept (each costs one recorded step per probed batch)
-
-
-def sub_options_of(module: nn.Module) -> list[str]:
-    """Relative names of a block's large sub-modules (attention, MLP): composite children (two or
-    more submodules, with parameters) other than its only one, which a user can checkpoint instead
-    of the whole block."""
-    children = list(module.named_children())
-    return [
-        n for n, c in children
-        if len(children) > 1 and len(list(c.children())) >= 2 and any(True for _ in c.parameters())
-        and not isinstance(c, (*_NOT_WORTH_A_CHECKPOINT, nn.ModuleList, nn.ModuleDict))
-    ]
-
-
-def find_sub_options(model: nn.Module, blocks: list[str] | tuple[str, ...]) -> list[str]:
-    """The finer options of the planner: sub-module names that at least half the blocks (and two) have,
-    in first-seen order, and `a+b` (both checkpointed, each on its own) for the first two when blocks
-    have both. A block without an option cannot take it (memory_model.py prices it out)."""
-    per_block = [sub_options_of(model.get_submodule(b)) for b in blocks]
-    seen: list[str] = []
-    for names in per_block:
-        seen += [n for n in names if n not in seen]
-    need = max(2, (len(blocks) + 1) // 2)
-    kept = [n for n in seen if sum(n in names for names in per_block) >= need][:MAX_SUB_OPTIONS]
-    if len(kept) >= 2 and sum(kept[0] in names and kept[1] in names for names in per_block) >= need:
-        kept.append(f"{kept[0]}+{kept[1]}")
-    return kept
-
-
-def has_sub_option(model: nn.Module, block: str, option: str) -> bool:
-    """Whether the block has every sub-module an option names (`a+b`: both)."""
-    names = sub_options_of(model.get_submodule(block))
-    return all(part in names for part in option.split("+"))

@@ -39,10 +39,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ckpt_tune.plan.entry import Entry
-from ckpt_tune.tune.kinds import kind_of, neighbour_like, policy_of
+from ckpt_tune.plan.kinds import kind_of, neighbour_like, policy_of
 
 # Options of a block: 0 = stored normally, 1 = the whole block checkpointed, 2.. = the finer options of
-# the kinds offered (Terms.options names them; tune/kinds.py says what each is).
+# the kinds offered (Terms.options names them; plan/kinds/ says what each is).
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def plan_entries(units, options, choice: tuple[int, ...], groups: dict[tuple[int
             group = (groups or {}).get((i, i - c - 1))
             out.append(Entry((group,)) if group else Entry(tuple(units[i : i - c])))
         elif c >= 1:
-            out.extend(kind_of(options, c).entries(u, options[c]))
+            out.extend(map(Entry.of, kind_of(options, c).entries(u, options[c])))
     return tuple(out)
 
 

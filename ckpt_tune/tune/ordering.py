@@ -15,6 +15,7 @@ import torch
 
 from ckpt_tune.measure.forked import fork_map
 from ckpt_tune.measure.op_costs import saved_bytes
+from ckpt_tune.plan.kinds import BLOCK, NONE
 from ckpt_tune.tune.candidates import (
     between,
     call_chain,
@@ -25,7 +26,6 @@ from ckpt_tune.tune.candidates import (
     repeated_inside,
     with_parameters,
 )
-from ckpt_tune.tune.kinds import BLOCK, NONE
 from ckpt_tune.tune.memory_model import cut_run
 from ckpt_tune.tune.probing import ProbeSteps
 from ckpt_tune.tune.repeats import find_repeat
@@ -71,23 +71,19 @@ class Ordering(ProbeSteps):
 
     def _set_options(self, batch_size: int) -> None:
         """The options of every block: stored, checkpointed whole, then the finer options of each kind
-        offered (tune/kinds.py: sub-modules, the useful op policies, offload)."""
+        offered (plan/kinds/: sub-modules, the useful op policies, offload)."""
         options = (NONE, BLOCK, *(o for k in self.kinds for o in k.offer(self, batch_size)))
         if self.options != options:  # a later search chose others (timed op policies): nothing measured holds
             self.forget_measured()
         self.options = options
 
-    def measure_offload(self, batch_size: int) -> bool:
-        """Each unit's saved bytes per sample, which offloading it moves to host memory and back
-        (op_costs.saved_bytes, one forward); True: offload is offered."""
-        if not self.offload_bytes:
+    def saved_per_sample(self, batch_size: int) -> dict[str, float]:
+        """Each unit's bytes per sample of the tensors its forward saves for backward, parameters left
+        out (op_costs.saved_bytes, one forward at `batch_size`, measured once); the costs read them."""
+        if not self.saved_per_unit:
             saved = saved_bytes(self.runner, batch_size, self.units)
-            self.offload_bytes = {u: n / batch_size for u, n in saved.items()}
-            self.notes.append(
-                f"offload: a block's transfers to host memory and back are modelled at {self.host_link / 1e9:g} GB/s "
-                "(--host-link), the part its forward and backward do not hide added to the step time"
-            )
-        return True
+            self.saved_per_unit = {u: n / batch_size for u, n in saved.items()}
+        return self.saved_per_unit
 
     def _order_units(self, batch_size: int, why: str = "no repeated blocks") -> None:
         marked = (*self.units, *self.groups, *self._between)

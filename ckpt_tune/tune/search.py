@@ -26,8 +26,8 @@ from ckpt_tune.measure.fake import as_fake_mode_error
 from ckpt_tune.measure.loader import Target
 from ckpt_tune.measure.session import Settings, build_runner, fake_twin, load, run_of, user_errors
 from ckpt_tune.plan.file import FULLY_SHARDED, Plan
+from ckpt_tune.plan.kinds import KINDS
 from ckpt_tune.tune.candidates import find_blocks
-from ckpt_tune.tune.kinds import KINDS
 from ckpt_tune.tune.search_state import HOST_LINK
 from ckpt_tune.tune.searcher import Searcher, SearchResult
 from ckpt_tune.tune.sharding import check_shard
@@ -66,7 +66,7 @@ def search(
     `target`: a target string (docs/design.md §2), a `loader.Target` whose `build_fn`, `batch_fn` and
     `loss_fn` are used as they are (its `spec` is the plan's `target`), or None with `settings.hf_config`.
     `segments`: also consider runs of consecutive blocks under one checkpoint (ckpt_tune/plan/segment.py).
-    `candidates`: the kinds of choice the planner may use (tune/kinds.py; None: every recompute kind).
+    `candidates`: the kinds of choice the planner may use (plan/kinds/; None: every recompute kind).
     `fake_probes`: on a CPU or CUDA device, record the probes under fake tensors with that allocator's rules
     and run for real only steps within the budget: the user's step once, the step times and the
     verification (docs/design.md §3); False: every step real. `host_link`: bytes/s the transfers of an

@@ -26,9 +26,9 @@ from ckpt_tune.measure.tensors import unique_bytes
 from ckpt_tune.measure.timing import Timing
 from ckpt_tune.plan.entry import Entry
 from ckpt_tune.plan.file import FULLY_SHARDED
+from ckpt_tune.plan.kinds import KINDS, RECOMPUTE, kind_of
 from ckpt_tune.plan.segment import available as segment_available
 from ckpt_tune.tune.candidates import find_blocks, find_groups, outside, with_parameters
-from ckpt_tune.tune.kinds import KINDS, RECOMPUTE, kind_of
 from ckpt_tune.tune.memory_model import (
     RunCut,
     SegmentTerms,
@@ -68,13 +68,13 @@ class SearchState:
         self.real_peaks: list[int] = []  # peaks of the real recorded steps, when probes are fake
         self.real_timed = 0  # real steps run to time the step (warm-up included), when probes are fake
         self._real_timing: Timing | None = None  # the one real timing the costs scale from, then
-        # the kinds of choice the planner may use (tune/kinds.py); None: every recompute kind
+        # the kinds of choice the planner may use (plan/kinds/); None: every recompute kind
         self.candidates = frozenset(RECOMPUTE if candidates is None else candidates)
         self.kinds = [k for name, k in KINDS.items() if name in self.candidates]
-        # offload (plan/offload.py): the host link its transfers are priced at (bytes/s), and each unit's
-        # saved bytes per sample (measured by the ordering step)
+        # the host link transfers to host memory are priced at (bytes/s), and each unit's saved bytes per
+        # sample (`saved_per_sample`, measured when a kind asks: offload)
         self.host_link = host_link
-        self.offload_bytes: dict[str, float] = {}
+        self.saved_per_unit: dict[str, float] = {}
         # also consider runs of consecutive blocks under one checkpoint (segment.py), where torch can
         self.use_segments = segments and any(k.runs for k in self.kinds) and segment_available()
         self.segment_keys: tuple[tuple[int, int], ...] = ()

@@ -16,8 +16,8 @@ import torch
 from ckpt_tune.measure.op_costs import policy_ratios, recompute_shares
 from ckpt_tune.measure.timing import Timing
 from ckpt_tune.plan.entry import POLICIES
+from ckpt_tune.plan.kinds import MARK, Pricing, kind_of, policy_of
 from ckpt_tune.tune.batch_search import largest
-from ckpt_tune.tune.kinds import MARK, Pricing, kind_of, policy_of
 from ckpt_tune.tune.memory_model import predict
 from ckpt_tune.tune.repeats import count_flops, extend_forward, shortened
 from ckpt_tune.tune.search_state import SearchState
@@ -123,8 +123,8 @@ class StepCosts(SearchState):
         # in the ops it recomputes, on a roofline
         shares = self._recompute_shares(at, policies) if self.real.fake else self._ratios
 
-        # each option's kind prices it (tune/kinds.py): a recompute, less what a policy keeps; transfers
-        pricing = Pricing(t.forward_ms, scale, t.unit, batch_size, shares, self.offload_bytes, self.host_link)
+        # each option's kind prices it (plan/kinds/): a recompute, less what a policy keeps; transfers
+        pricing = Pricing(t.forward_ms, scale, t.unit, batch_size, shares, self.saved_per_unit, self.host_link)
         costs = tuple(
             (0.0, *(kind_of(self.options, k).cost(pricing, u, self.options[k]) for k in range(1, len(self.options))))
             for u in self.units
