@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 
 from ckpt_tune.measure.runner import StepRunner
 from ckpt_tune.tune.candidates import find_blocks
-from ckpt_tune.tune.memory_model import BlockTerms, Terms, cut_run, predict, probe_configs
+from ckpt_tune.tune.memory_model import BlockTerms, Terms, cut_run, estimate_segments, predict, probe_configs
 from ckpt_tune.tune.searcher import Searcher
 from tests.fixtures.models import ZOO
 from tests.harness import measured_peak
@@ -109,3 +110,27 @@ def test_predictions_match_allocator_for_checkpoint_plans(name):
         pred = predict(terms, choice)
         # exact up to the BatchNorm guard's throwaway copies of running statistics (a few hundred bytes)
         assert abs(pred - truth) <= 0.001 * truth, f"{name} {names}: predicted {pred}, allocator {truth}"
+
+
+def test_fitted_terms_estimate_a_segment_again_and_fit_only_what_was_measured() -> None:
+    """A segment's estimated term is a maximum over its blocks; which block holds it changes with the
+    batch (ResNet on a CPU: one block's backward at batch 1, the next's from batch 2 on), and a line
+    through two maxima is low past them. Interpolated terms estimate it again from the fitted blocks."""
+
+    def at(b: int, measured: frozenset[int] = frozenset()) -> Terms:
+        a = BlockTerms((10 * b,) * 4, (0,) * 4, (100,) * 4)  # stores 10 B per sample, backward 100 B flat
+        c = BlockTerms((10 * b,) * 4, (0,) * 4, (20 * b,) * 4)  # backward 20 B per sample
+        t = Terms(b, ("a", "c"), static=0, base=0, fixed=0, blocks=(a, c))
+        seg = estimate_segments(t, [(0, 1)])[(0, 1)]
+        return replace(t, segments={(0, 1): replace(seg, measured=measured)})
+
+    assert at(1).segments[(0, 1)].B == (100, 100)
+    assert at(4).segments[(0, 1)].B == (120, 120)
+    fitted = at(1).interpolate(at(4), 12)
+    # at batch 12 block c's backward under block a's stored bytes: 120 + 240, not 100 + 20 * 11 / 3
+    assert fitted.segments[(0, 1)] == at(12).segments[(0, 1)]
+    assert fitted.segments[(0, 1)].B == (360, 360)
+    # a segment recorded at both batches is fitted as it was measured, for the options measured
+    measured = at(1, frozenset({0})).interpolate(at(4, frozenset({0})), 12).segments[(0, 1)]
+    assert measured.B == (174, 360)
+    assert measured.measured == {0}

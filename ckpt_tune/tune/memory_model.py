@@ -125,7 +125,11 @@ class Terms:
 
     def interpolate(self, other: Terms, batch_size: int) -> Terms:
         """Terms at another batch size, linear through self and other, rounded up (a line, not a bound:
-        out of sample it can come out low; the search probes the batch it answers, docs/design.md §4)."""
+        out of sample it can come out low; the search probes the batch it answers, docs/design.md §4).
+
+        Only measured terms are fitted. A segment's term estimated from its blocks (`estimate_segments`)
+        is a maximum over them, which block holds it can change with the batch, and a line through two
+        maxima is low past them: it is estimated again from the fitted blocks."""
         b1, b2 = self.batch_size, other.batch_size
 
         def lin(x1: int, x2: int) -> int:
@@ -138,15 +142,22 @@ class Terms:
         blocks = tuple(
             BlockTerms(tup(p.d, q.d), tup(p.F, q.F), tup(p.B, q.B)) for p, q in zip(self.blocks, other.blocks, strict=False)
         )
-        segments = {
-            key: SegmentTerms(tup(seg.d, o.d), tup(seg.F, o.F), tup(seg.B, o.B))
-            for key, seg in self.segments.items()
-            if (o := other.segments.get(key)) is not None
-        }
-        return Terms(
+        fitted = Terms(
             batch_size, self.units, self.static, lin(self.base, other.base), lin(self.fixed, other.fixed), blocks,
-            options=self.options, segments=segments, groups=self.groups,
+            options=self.options, groups=self.groups,
         )
+        keys = [key for key in self.segments if key in other.segments]
+        estimated = estimate_segments(fitted, keys)
+        segments = {}
+        for key in keys:
+            seg, o, est = self.segments[key], other.segments[key], estimated[key]
+            both = seg.measured & o.measured
+
+            def pick(a, b, e, both=both):
+                return tuple(lin(x, y) if p in both else z for p, (x, y, z) in enumerate(zip(a, b, e, strict=True)))
+
+            segments[key] = SegmentTerms(pick(seg.d, o.d, est.d), pick(seg.F, o.F, est.F), pick(seg.B, o.B, est.B), both)
+        return replace(fitted, segments=segments)
 
 
 def pair_index(prev: int, own: int, k: int = 2) -> int:
