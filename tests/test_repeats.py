@@ -13,6 +13,7 @@ from torch import nn
 from ckpt_tune.measure import fake_inputs, loader
 from ckpt_tune.measure.forked import WORKERS_ENV
 from ckpt_tune.measure.runner import StepRunner, StepSettings
+from ckpt_tune.plan.kinds import RECOMPUTE
 from ckpt_tune.tune import probing as probing_module
 from ckpt_tune.tune.planner import min_peak
 from ckpt_tune.tune.repeats import find_repeat
@@ -138,7 +139,8 @@ def test_full_depth_probes_borrowing_the_optimizer_step_equal_probes_that_record
     """At full depth only the no-checkpointing probe records the optimizer step; the others take its
     moments (memory_model.with_step_of): the terms are the same to the byte as when each records it
     (a runner of a StepRunner subclass, whose steps the search neither shortens nor shares out, records
-    every probe whole)."""
+    every probe whole). Which op policies are worth a probe is timed on the CPU, so it can differ between
+    the two runs on a loaded machine: they are left out, as they are not what is compared."""
 
     def build():
         return Decoder(8, widths=(128, 128, 128, 64, 128, 128, 128, 128))
@@ -158,7 +160,7 @@ def test_full_depth_probes_borrowing_the_optimizer_step_equal_probes_that_record
     for cls in (StepRunner, Whole):
         steps.clear()
         with cls(build(), make_batch, loss_fn, StepSettings(device="cpu", precision="fp32")) as runner:
-            s = Searcher(runner)
+            s = Searcher(runner, candidates=RECOMPUTE - {"ops"})
             s.order_units(1)
             assert s.repeat is None
             terms[cls] = s.terms(3)
