@@ -367,7 +367,7 @@ def run_arch(arch: sm.Arch, exact: bool = False, progress=None) -> dict[str, Any
         row.update(batch=plan.batch_size, grad_accum_steps=plan.grad_accum_steps,
                    checkpoint=[e if isinstance(e, str) else list(e) for e in plain(plan.checkpoint)],
                    predicted_peak_bytes=plan.predicted_peak_bytes, verified_peak_bytes=plan.verified_peak_bytes,
-                   units=len(outcome.result.units), search_notes=outcome.result.notes[:6])
+                   units=len(outcome.result.units), search_notes=outcome.result.notes[:12])
         every = outcome.result.baselines.get("every block")
         row["tool_every_block_batch"] = getattr(every, "batch_size", None)
         if plan.verified_peak_bytes is None or plan.verified_peak_bytes > budget:

@@ -68,6 +68,15 @@ FAKE_HINT = "use --device cpu on a smaller config"
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 
 _MODE: FakeTensorMode | None = None
+
+# Out-of-place ops that backward on plain tensors runs in place, into a tensor that dies with the call
+# (`FakeRecorder._maybe_in_place`): the engine's sum of two gradients, and the scatters of formulas
+# into fresh zeros (gather, index_select, masked_select, max/min/sort/topk along a dim, cummax/cummin,
+# trace, take, indexing)
+IN_PLACE_IN_BACKWARD = frozenset({
+    aten.add.Tensor, aten.scatter_add.default, aten.index_add.default, aten.masked_scatter.default,
+    aten.scatter.src, aten.index_fill.int_Tensor, aten.put.default, aten.index_put.default,
+})  # fmt: skip
 # aten ops' outputs by their inputs' metadata (fake_memo.py); None: every op dispatched to the fake mode
 MEMO: OpMemo | None = OpMemo()
 
@@ -177,6 +186,7 @@ class _Dispatch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         rec = self.rec
+        rec._in_place = None
         if func is RECORD_FUNCTION_ENTER and rec._intercept_marks:
             name = args[0] if args else None
             if isinstance(name, str) and name.startswith(timeline.PREFIX):
@@ -200,6 +210,8 @@ class _Dispatch(TorchDispatchMode):
                 rec._see(t, inputs, sizes[i] if i < len(sizes) else None)
         if cal is not None and cal[1] > 0:  # the kernel's own peak, above its outputs
             rec._spike(cal[1])
+        if func in IN_PLACE_IN_BACKWARD:
+            rec._maybe_in_place(func, args, kwargs, out)
         return out
 
 
@@ -236,6 +248,7 @@ class FakeRecorder:
         self._gc_was_enabled = False
         self._rng: contextlib.AbstractContextManager | None = None
         self._hosting = 0  # inside `host()`: new storages are host memory, not the device's
+        self._in_place: tuple[int, int] | None = None  # (result's key, first argument's key): `_maybe_in_place`
         self._host_was = offload.HOST_ALLOCATIONS
 
     def __enter__(self) -> FakeRecorder:
@@ -329,7 +342,38 @@ class FakeRecorder:
         if n > 0:  # kept even when empty, to see a later resize_; the allocator reports no empty blocks
             self._events.append((self._tick(), n, key))
 
+    def _maybe_in_place(self, func, args: tuple, kwargs: dict, out: Any) -> None:
+        """Backward on plain tensors writes some results into a tensor that dies with the call: autograd
+        adds a tensor's second gradient into its first when it holds the last references to it
+        (torch/csrc/autograd/input_buffer.cpp), and formulas such as gather's scatter into fresh zeros
+        (`result.scatter_add_`, FunctionsManual.cpp). Under a dispatch mode every tensor is "subclass
+        like", and both take the out-of-place op instead, whose result gets a storage of its own. Taken
+        as the in-place op when the first argument's storage dies right after the result is born
+        (`_free`): what holding its last references means (docs/design.md §3)."""
+        if torch.is_grad_enabled() or torch._C._current_autograd_node() is None:
+            return
+        if func is aten.add.Tensor and (kwargs or len(args) != 2):
+            return
+        a = args[0] if args else None
+        if not (isinstance(a, torch.Tensor) and isinstance(out, torch.Tensor)):
+            return
+        if a.shape != out.shape or a.stride() != out.stride() or a.dtype != out.dtype:
+            return
+        if not (a.is_contiguous() or a.is_contiguous(memory_format=torch.channels_last)):
+            return
+        key, first = fake_storage_key(out), fake_storage_key(a)
+        if self._events and self._events[-1][2] == key and self._events[-1][0] == self._clock and first in self._live:
+            self._in_place = (key, first)
+
     def _free(self, key: int, _ref: Any = None) -> None:
+        placed = self._in_place is not None and self._in_place[1] == key and self._events[-1][0] == self._clock
+        self._in_place = None
+        if placed and self._active and self._live.get(key) == self._events[-1][1]:
+            self._events.pop()  # the result's storage is the first argument's: neither event happens
+            self._live.pop(key)
+            self._refs.pop(key, None)
+            self._raw.pop(key, None)
+            return
         if self._active and key in self._live:
             n = self._live.pop(key)
             if n > 0:

@@ -1,6 +1,7 @@
 """Ops the recording modes of measure/fake.py answer themselves (docs/design.md §3): `SHORTCUTS`
 (`tensor.device` and `record_function` ranges, answered as fake mode would, without dispatching them
-further), `MetaGaps` (outputs for ops whose meta kernel refuses what the CPU kernel runs) and
+further), `MetaGaps` (outputs for ops whose meta kernel refuses what the CPU kernel runs, or lays out
+otherwise) and
 `eager_hf_masks` (Hugging Face's eager mask path under fake tensors)."""
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def eager_hf_masks() -> Iterator[None]:
         masking.find_packed_sequence_indices = find
 
 
-# --- ops whose meta kernel rejects what the CPU kernel runs ------------------------------------------
+# --- ops whose meta kernel rejects what the CPU kernel runs, or lays out its output otherwise ---------
 
 
 def _grouped_mm_output(args, kwargs) -> torch.Tensor | None:
@@ -117,16 +118,54 @@ def _grouped_mm_output(args, kwargs) -> torch.Tensor | None:
     return torch.empty(size, dtype=out_dtype, device=a.device)
 
 
-META_GAPS = {aten._grouped_mm.default: _grouped_mm_output}
+def _suggested_format(t: torch.Tensor) -> torch.memory_format:
+    """ATen's `suggest_memory_format`: channels-last where t is laid out so and not plainly contiguous."""
+    for fmt, dim in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
+        if t.dim() == dim and t.is_contiguous(memory_format=fmt) and not t.is_contiguous():
+            return fmt
+    return torch.contiguous_format
+
+
+def _laid_out(out: tuple, fmt: torch.memory_format) -> tuple:
+    """out with its first tensor (the input's gradient) in memory format fmt, as the kernels allocate it."""
+    dx = out[0]
+    if not isinstance(dx, torch.Tensor) or dx.is_contiguous(memory_format=fmt):
+        return out
+    return (torch.empty(dx.shape, dtype=dx.dtype, device=dx.device, memory_format=fmt), *out[1:])
+
+
+def _norm_backward(input_at: int, fmt=None):
+    """A normalisation's backward, its input's gradient laid out as the CPU and CUDA kernels allocate it:
+    contiguous for layer norm (which normalises a contiguous copy of its input), the input's suggested
+    format for batch and group norm. The meta kernels follow the incoming gradient's strides instead: a
+    transposed gradient made the next view of the result a copy that the real step does not make."""
+
+    def fill(func, args, kwargs) -> tuple:
+        return _laid_out(func(*args, **kwargs), fmt or _suggested_format(args[input_at]))
+
+    return fill
+
+
+def _grouped_mm_fill(func, args, kwargs):
+    return _grouped_mm_output(args, kwargs)
+
+
+META_GAPS = {
+    aten._grouped_mm.default: _grouped_mm_fill,
+    aten.native_layer_norm_backward.default: _norm_backward(1, torch.contiguous_format),
+    aten.native_batch_norm_backward.default: _norm_backward(1),
+    aten.native_group_norm_backward.default: _norm_backward(1),
+}
 
 
 class MetaGaps(TorchDispatchMode):
-    """Outputs for the few ops whose meta kernel refuses inputs the CPU kernel accepts (`META_GAPS`)."""
+    """Outputs for the few ops whose meta kernel refuses inputs the CPU kernel accepts, or lays out an
+    output otherwise than the kernels do (`META_GAPS`)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in SHORTCUTS:
             return SHORTCUTS[func](func, args, kwargs)
         fill = META_GAPS.get(func)
-        out = fill(args, kwargs) if fill is not None else None
+        out = fill(func, args, kwargs) if fill is not None else None
         return func(*args, **kwargs) if out is None else out
