@@ -135,6 +135,20 @@ def test_under_fake_tensors_the_floor_runs_where_the_chain_does_not_hold_it() ->
     assert any("reaches batch" in n for n in out.result.notes), out.result.notes
 
 
+def test_the_floor_leaves_out_a_block_shared_into_the_others() -> None:
+    """The innermost blocks include a module shared into each of the others (CoaT's position encodings):
+    the floor checkpoints the blocks that hold it, not both (which apply refuses), and is not dropped."""
+    assert find_blocks(others.shared_into_blocks())[:1] == ["encodings.0"]
+    budget = 6 << 20
+    out = ckpt_tune.search(f"{OTHERS}:shared_into_blocks", vram=str(budget),
+                           settings=Settings(device="cpu", batch_fn=f"{OTHERS}:looped_batch"))
+    assert not any("dropped" in n for n in out.result.notes), out.result.notes
+    plan = out.plan
+    assert plan.verified_peak_bytes <= budget
+    real = measured_peak(others.shared_into_blocks, others.looped_batch, _loss, plan.batch_size, checkpoint=plan.checkpoint)
+    assert real == plan.verified_peak_bytes
+
+
 def test_a_buffer_the_forward_replaces_is_not_updated_again_by_the_recompute() -> None:
     # I-BERT's range trackers assign a new tensor to their buffers in training: checkpointed blocks
     # (and a segment) leave them as one step without checkpointing does

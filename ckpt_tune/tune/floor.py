@@ -31,8 +31,13 @@ class EveryBlockFloor(SearchState):
         return set(leaves) != set(self.units) if leaves else bool(self._looping)
 
     def _leaves(self) -> tuple[str, ...]:
-        """The innermost blocks, less those refused as candidates."""
-        return tuple(n for n in find_blocks(self.runner.model) if n not in self._refused)
+        """The innermost blocks, less those refused as candidates and those inside another of them (a
+        module shared into each block, as CoaT's convolutional position encodings: checkpointing the
+        block recomputes it)."""
+        model = self.runner.model
+        blocks = [n for n in find_blocks(model) if n not in self._refused]
+        inner = {id(sub) for n in blocks for sub in model.get_submodule(n).modules() if sub is not model.get_submodule(n)}
+        return tuple(n for n in blocks if id(model.get_submodule(n)) not in inner)
 
     def _floor(self, res: SearchResult, budget: int) -> SearchResult:
         """The plan is never below what checkpointing every innermost block reaches (docs/design.md §4):

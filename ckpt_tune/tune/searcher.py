@@ -92,6 +92,7 @@ class Searcher(Ordering, StepCosts, TermStore, EveryBlockFloor, Verdicts):
             floor = not self.real.fake or self.floor_may_differ()
             if batch_size is None and self.world_size == 1 and self.accum_steps == 1 and floor:
                 res = self.refinement("the every-block floor", "the plan", lambda: self._floor(res, budget), res)
+                res.notes.extend(n for n in self.notes if n not in res.notes)  # a note of its dropping
             return res
         except (torch.OutOfMemoryError, MemoryError, KeyboardInterrupt):
             raise

@@ -88,13 +88,20 @@ def sub_options_of(module) -> list[str]:
 def find_sub_options(model, blocks: list[str] | tuple[str, ...]) -> list[str]:
     """The sub-module options: names that at least half the blocks (and two) have, in first-seen order,
     and `a+b` (both checkpointed, each on its own) for the first two when blocks have both. A block
-    without an option cannot take it (the memory model prices it out)."""
+    without an option cannot take it (the memory model prices it out). A sub-module shared by several
+    blocks (one module object, CoaT's position encoding) is no option: checkpointing it in one block
+    checkpoints it inside every other."""
     per_block = [sub_options_of(model.get_submodule(b)) for b in blocks]
     seen: list[str] = []
     for names in per_block:
         seen += [n for n in names if n not in seen]
     need = max(2, (len(blocks) + 1) // 2)
-    kept = [n for n in seen if sum(n in names for names in per_block) >= need][:MAX_SUB_OPTIONS]
+
+    def shared(name: str) -> bool:
+        held = [model.get_submodule(f"{b}.{name}") for b, names in zip(blocks, per_block) if name in names]
+        return len({id(m) for m in held}) < len(held)
+
+    kept = [n for n in seen if sum(n in names for names in per_block) >= need and not shared(n)][:MAX_SUB_OPTIONS]
     if len(kept) >= 2 and sum(kept[0] in names and kept[1] in names for names in per_block) >= need:
         kept.append(f"{kept[0]}+{kept[1]}")
     return kept

@@ -254,6 +254,40 @@ class RangeTrackedBlocks(nn.Module):
         return self.head(h).square().mean()
 
 
+class _SharedInto(nn.Module):
+    def __init__(self, encoding: nn.Module) -> None:
+        super().__init__()
+        self.encoding = encoding  # registered first on the model: a block's name for it is its second
+        self.mlp = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.encoding(h)
+        return h + self.mlp(h)
+
+
+class SharedIntoBlocks(nn.Module):
+    """CoaT's layout: a module list of position encodings, one of them shared into every block, so the
+    innermost blocks include a module that sits inside each of the others."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(32, 64)
+        self.encodings = nn.ModuleList([nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(2)])
+        self.blocks = nn.ModuleList([_SharedInto(self.encodings[0]) for _ in range(4)])
+        self.head = nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.encodings[1](self.embed(x))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h).square().mean()
+
+
+def shared_into_blocks() -> nn.Module:
+    torch.manual_seed(0)
+    return SharedIntoBlocks()
+
+
 def range_tracked() -> nn.Module:
     torch.manual_seed(0)
     return RangeTrackedBlocks()
