@@ -161,3 +161,31 @@ def test_unknown_candidate_kinds_are_refused_with_a_hint(bad) -> None:
     with pytest.raises(CkptTuneError) as info:
         parse_candidates(bad)
     assert info.value.hint
+
+
+@pytest.mark.parametrize("room", [1.05, 8.0])
+def test_op_policies_are_timed_at_a_batch_whose_step_fits_the_budget(monkeypatch, room) -> None:
+    """The op policies are timed by real forwards on the device (`policy_ratios`): at the second small
+    batch only where its plain step fits the budget, so that timing them never runs the device past it;
+    with room, at the second small batch."""
+    import ckpt_tune
+    import ckpt_tune.tune.step_costs as step_costs_module
+    from ckpt_tune.measure.session import Settings
+
+    asked: list[int] = []
+
+    def ratios(runner, batch_size, units, policies, repeats=3):
+        asked.append(batch_size)
+        return {(u, p): 0.95 for u in units for p in policies}, {}
+
+    monkeypatch.setattr(step_costs_module, "policy_ratios", ratios)
+    gpt = "examples/gpt.py:build"
+    from ckpt_tune.measure import loader
+
+    t = loader.load_target(gpt)
+    budget = int(room * measured_peak(t.build_fn, t.batch_fn, t.loss_fn, 1))
+    ckpt_tune.search(gpt, vram=str(budget), settings=Settings(device="cpu"))
+    assert asked
+    assert all(measured_peak(t.build_fn, t.batch_fn, t.loss_fn, b) <= budget for b in asked), (asked, budget)
+    if room > 2:
+        assert 4 in asked

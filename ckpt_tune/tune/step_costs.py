@@ -53,9 +53,10 @@ class StepCosts(SearchState):
             dear = {p: min(shares[(u, p)] for u in self.units) for p in useful}
             where = f"on a roofline of its ops (counted at batch {batch_size})"
         else:
-            # each kind of block timed alone under each policy, at the second small batch: a policy
-            # torch refuses is left out before any step is recorded with it
-            at = max(batch_size, self.b2)
+            # each kind of block timed alone under each policy, at the second small batch where its
+            # step fits (the first otherwise): a policy torch refuses is left out before any step is
+            # recorded with it
+            at = self._policy_batch(batch_size)
             self._ratios, refused = policy_ratios(self.real, at, self.units, useful)
             for p, why in refused.items():
                 self.notes.append(f"op policy {p} left out: torch refused it on this model ({why})")
@@ -68,6 +69,18 @@ class StepCosts(SearchState):
                 self.notes.append(f"op policy {p} left out: its recompute costs {worst:.2f}x checkpointing the whole block {where}")
         useful = [p for p in useful if dear[p] <= WORTH_A_POLICY]
         return [p for p in useful if MARK + p not in self._dropped]
+
+    def _policy_batch(self, batch_size: int) -> int:
+        """The batch op policies are timed at: the second small batch, unless the plain step there is
+        not shown to fit the budget, REAL_ROOM under it. Only the user's real step at the first has run
+        on the device; the second's is put on the line through it from the states alone (parameters,
+        buffers, optimizer state), a line above the real one (the gradients count as activations)."""
+        at = max(batch_size, self.b2)
+        if at == batch_size or not self.budget or not self.real_peaks or self.real is self.runner:
+            return at
+        static = sum(self.real.state_bytes()[:2])
+        per_sample = max(self.real_peaks[0] - static, 0) / batch_size
+        return at if static + per_sample * at <= self.budget * (1 - REAL_ROOM) else batch_size
 
     def _recompute_shares(self, batch_size: int, policies, repeats: int = 3) -> dict[tuple[str, str], float]:
         """op_costs.recompute_shares of the chain; under fake tensors, identical blocks' on the shortened
