@@ -295,6 +295,26 @@ def test_an_in_place_op_between_blocks_breaks_the_chain():
     assert s.segment_keys == ((1, 2),)
 
 
+def test_an_output_two_blocks_take_is_no_link_of_a_chain():
+    class Branches(ResidualChain):
+        """HRNet's transitions: two branches of one block's output (a segment from that block into one of
+        them would recompute the tensor the other branch takes, and changed the gradients)."""
+
+        def __init__(self):
+            super().__init__(depth=4)
+
+        def forward(self, x):
+            x = self.blocks[0](x)
+            a, b = self.blocks[1](x), self.blocks[2](x)
+            return self.head(self.blocks[3](a + b))
+
+    torch.manual_seed(0)
+    with StepRunner(Branches(), _chain_batch, _mse_loss) as runner:
+        s = Searcher(runner, segments=True)
+        s.order_units(2)
+    assert s.segment_keys == ()
+
+
 @pytest.mark.heavy  # 60 s: make test-heavy
 def test_search_drops_segments_whose_recompute_cannot_repeat_the_forward():
     class SavesBetween(ResidualChain):

@@ -31,6 +31,8 @@ class Instrument:
         self.module_io: dict[str, tuple[int, int]] = {}
         self.chained: set[str] = set()
         self._last_out: Any = None  # (weak reference, version) of the last marked module's first output
+        # id of a marked module's output -> (weak reference, version, the module it chained into)
+        self._links: dict[int, tuple[Any, int, str]] = {}
         self._hooks_ctx = None
         self._param_ptrs = {fake.fake_storage_key(local_tensor(p)) for p in model.parameters()}
         self._gathered: dict[str, set[int]] = {}  # unit -> its parameters' storages gathered by FSDP2
@@ -55,6 +57,7 @@ class Instrument:
             h.remove()
         self.handles.clear()
         self.stack.clear()
+        self._links.clear()
 
     def _pre(self, name: str):
         def hook(mod, args, kwargs):
@@ -62,9 +65,15 @@ class Instrument:
                 return
             mark(f"f>{name}")
             first = next(iter_tensors((args, kwargs)), None)
+            link = self._links.get(id(first)) if first is not None else None
+            if link is not None and link[0]() is first and first._version == link[1]:
+                # an output another marked module chained into is this one's input too (HRNet's branches
+                # of one tensor): a segment through that link would recompute a tensor used outside it
+                self.chained.discard(link[2])
             # the previous block's output, untouched since (an in-place op keeps the object, not the version)
-            if first is not None and self._last_out is not None and self._last_out[0]() is first and first._version == self._last_out[1]:
+            elif first is not None and self._last_out is not None and self._last_out[0]() is first and first._version == self._last_out[1]:
                 self.chained.add(name)
+                self._links[id(first)] = (self._last_out[0], first._version, name)
             self.stack.append(name)
             if self.attribute:
                 self.module_io[name] = (unique_bytes(iter_tensors((args, kwargs))), 0)
