@@ -45,6 +45,12 @@ def test_a_list_the_parent_grows_after_the_call_is_recomputed_as_it_was() -> Non
     _same_step(others.densenet, others.densenet_batch(4), [names[:3]])  # a segment's first block too
 
 
+def test_a_list_the_forward_changes_in_place_is_recomputed_as_it_was_called() -> None:
+    # each stage writes its branches' outputs back into the list it was given (timm's HRNet)
+    _same_step(others.in_place_lists, others.looped_batch(4), ["stages.0", "stages.2"])
+    _same_step(others.in_place_lists, others.looped_batch(4), [["stages.0", "stages.1"]])  # a segment's first block
+
+
 def test_densenet_blocks_in_a_module_dict_are_planned_and_verified() -> None:
     assert find_blocks(others.densenet())[:1] == ["block1.denselayer1"]
     budget = 6 << 20

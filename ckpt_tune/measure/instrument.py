@@ -66,14 +66,17 @@ class Instrument:
             mark(f"f>{name}")
             first = next(iter_tensors((args, kwargs)), None)
             link = self._links.get(id(first)) if first is not None else None
-            if link is not None and link[0]() is first and first._version == link[1]:
+            linked = link is not None and link[0]() is first and first._version == link[1]
+            if linked and link[2] not in self.stack:
                 # an output another marked module chained into is this one's input too (HRNet's branches
-                # of one tensor): a segment through that link would recompute a tensor used outside it
+                # of one tensor; not a module inside that one): a segment through that link would
+                # recompute a tensor used outside it
                 self.chained.discard(link[2])
             # the previous block's output, untouched since (an in-place op keeps the object, not the version)
             elif first is not None and self._last_out is not None and self._last_out[0]() is first and first._version == self._last_out[1]:
                 self.chained.add(name)
-                self._links[id(first)] = (self._last_out[0], first._version, name)
+                if not linked:
+                    self._links[id(first)] = (self._last_out[0], first._version, name)
             self.stack.append(name)
             if self.attribute:
                 self.module_io[name] = (unique_bytes(iter_tensors((args, kwargs))), 0)

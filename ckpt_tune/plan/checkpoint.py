@@ -8,8 +8,9 @@ included) stay outside the checkpoint and run once; its name, state_dict keys an
 
 Only memory and time change (docs/design.md §5): the recompute lets BatchNorm update throwaway copies
 of its running statistics (pytorch#96136) and drops any other buffer the forward replaces; the random
-stream repeats; the arguments' containers are copied at the call, so a list the caller grows later
-(DenseNet's earlier features) reaches the recompute as it was.
+stream repeats; the arguments' containers are copied at the call and again for each recompute, so a list
+the caller grows later (DenseNet's earlier features) or the forward changes in place (HRNet's branches)
+reaches the recompute as it was.
 
 This is the wrapper `ckpt_tune.apply` installs and the one the patch snippet (plan/patch.py) embeds as
 it is: it imports torch and plan/policy.py only, which the snippet embeds too when the plan has a policy.
@@ -87,20 +88,24 @@ def _ckpt_forward(self: nn.Module, *args, **kwargs):
     # the running statistics are made here, outside the checkpointed region
     spares = [b.clone() for *_, b in running_stats(self)] if policy is not None else None
 
+    # the arguments' containers as they are at the call, for the recompute: a list the caller grows later
+    # (DenseNet) or the forward changes in place (HRNet's branches) reaches it as it was
+    called = torch.utils._pytree.tree_map(lambda x: x, (args, kwargs))
+
     def run(*a):
         # checkpoint calls this once in forward and again for each recompute in backward.
         nonlocal calls
         calls += 1
         if calls == 1:
-            return inner(*a, **kwargs)
+            return inner(*args, **kwargs)  # the caller's own containers, as the plain forward gets them
+        a, kw = torch.utils._pytree.tree_map(lambda x: x, (a, called[1]))  # fresh ones for each recompute
         with throwaway_running_stats(self, spares):
-            return inner(*a, **kwargs)
+            return inner(*a, **kw)
 
     extra = {"context_fn": context_fn(policy)} if policy is not None else {}
     # kwargs reach `run` by closure, not through checkpoint(), so a module keyword named like one of
-    # checkpoint's own (debug, context_fn, determinism_check) cannot collide; containers are copied
-    args, kwargs = torch.utils._pytree.tree_map(lambda x: x, (args, kwargs))
-    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **extra)
+    # checkpoint's own (debug, context_fn, determinism_check) cannot collide
+    return torch.utils.checkpoint.checkpoint(run, *called[0], use_reentrant=False, preserve_rng_state=True, **extra)
 
 
 def is_checkpointed(module: nn.Module) -> bool:

@@ -119,8 +119,8 @@ class Segment:
         def replay(*first_args):
             outs: list[list] = []
             for pos, block in enumerate(self.blocks):
-                if pos == 0:
-                    args, kwargs = first_args, calls[0]
+                if pos == 0:  # fresh containers: the forward may change its list argument in place
+                    args, kwargs = pytree.tree_map(lambda x: x, (first_args, calls[0]))
                 else:
                     spec, rng = calls[pos]
                     args, kwargs = pytree.tree_map(lambda x: outs[x.block][x.leaf] if isinstance(x, _Out) else x, spec)
@@ -139,10 +139,10 @@ class Segment:
             if pos == 0:
                 self.close()  # a region an earlier forward left open
                 # the arguments as they are now: containers copied, so a list the caller grows later
-                # reaches the recompute as it was (docs/design.md §5)
-                args, kwargs = pytree.tree_map(lambda x: x, (args, kwargs))
-                self.calls, self.outputs = [kwargs], {}
-                self.region = _open_region(self._replay(self.calls), args)
+                # or the block changes in place reaches the recompute as it was (docs/design.md §5)
+                called, called_kwargs = pytree.tree_map(lambda x: x, (args, kwargs))
+                self.calls, self.outputs = [called_kwargs], {}
+                self.region = _open_region(self._replay(self.calls), called)
             else:
                 if self.region is None or len(self.calls) != pos:
                     raise RuntimeError(

@@ -288,6 +288,40 @@ def shared_into_blocks() -> nn.Module:
     return SharedIntoBlocks()
 
 
+class _Branches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.branches = nn.ModuleList([nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(2)])
+        self.fuse = nn.Linear(64, 64)
+
+    def forward(self, x: list[torch.Tensor]) -> list[torch.Tensor]:
+        for i, branch in enumerate(self.branches):
+            x[i] = branch(x[i])  # the argument changed in place, as timm's HRNet stages do
+        return [self.fuse(x[0] + x[1]), x[1]]
+
+
+class InPlaceLists(nn.Module):
+    """Stages that take a list of branches and write each branch's output back into that list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(32, 64)
+        self.stages = nn.ModuleList([_Branches() for _ in range(3)])
+        self.head = nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        xs = [h, h.tanh()]
+        for stage in self.stages:
+            xs = stage(xs)
+        return self.head(xs[0] + xs[1]).square().mean()
+
+
+def in_place_lists() -> nn.Module:
+    torch.manual_seed(0)
+    return InPlaceLists()
+
+
 def range_tracked() -> nn.Module:
     torch.manual_seed(0)
     return RangeTrackedBlocks()
