@@ -21,7 +21,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from ckpt_tune.errors import CkptTuneError, UserCodeError
-from ckpt_tune.measure import fake, fake_inputs, loader, timeline, user_code
+from ckpt_tune.measure import fake, fake_inputs, fake_ops, loader, timeline, user_code
 from ckpt_tune.measure.fake import FakeModeError, FakeRecorder, fake_storage_key
 from ckpt_tune.measure.timeline import mark
 from tests import harness
@@ -289,19 +289,19 @@ def test_new_storages_are_allocations_and_their_death_frees():
 
 
 def test_only_ops_whose_schema_returns_no_input_storage_skip_the_comparison_with_their_inputs():
-    """fake._fresh: an aten op's schema annotates every output that may alias an input and every input
+    """fake_ops.fresh: an aten op's schema annotates every output that may alias an input and every input
     it writes; such ops, and every op outside aten (a custom op's schema may omit it), are compared."""
     aten = torch.ops.aten
-    assert fake._fresh(aten.mm.default)
-    assert fake._fresh(aten._to_copy.default)
-    assert not fake._fresh(aten.view.default)  # Tensor(a) -> Tensor(a)
-    assert not fake._fresh(aten.t.default)
-    assert not fake._fresh(aten.add_.Tensor)  # Tensor(a!) self
-    assert not fake._fresh(aten.add.out)  # Tensor(a!) out
-    assert not fake._fresh(aten.split.Tensor)  # Tensor(a)[]
+    assert fake_ops.fresh(aten.mm.default)
+    assert fake_ops.fresh(aten._to_copy.default)
+    assert not fake_ops.fresh(aten.view.default)  # Tensor(a) -> Tensor(a)
+    assert not fake_ops.fresh(aten.t.default)
+    assert not fake_ops.fresh(aten.add_.Tensor)  # Tensor(a!) self
+    assert not fake_ops.fresh(aten.add.out)  # Tensor(a!) out
+    assert not fake_ops.fresh(aten.split.Tensor)  # Tensor(a)[]
     importlib.import_module("torch.distributed.fsdp")  # defines fsdp::all_gather_copy_in
 
-    assert not fake._fresh(torch.ops.fsdp.all_gather_copy_in.default)  # returns its input, unannotated
+    assert not fake_ops.fresh(torch.ops.fsdp.all_gather_copy_in.default)  # returns its input, unannotated
 
 
 def test_resize_of_a_storage_born_while_recording_counts():

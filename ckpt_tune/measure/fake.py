@@ -48,6 +48,8 @@ from ckpt_tune.measure.fake_ops import (
     MetaGaps,
     cpu_rng_states,
     eager_hf_masks,
+    fresh,
+    written_in_place,
 )
 from ckpt_tune.measure.scratch import (
     CPU_SCRATCH_OPS,
@@ -69,14 +71,6 @@ _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, Un
 
 _MODE: FakeTensorMode | None = None
 
-# Out-of-place ops that backward on plain tensors runs in place, into a tensor that dies with the call
-# (`FakeRecorder._maybe_in_place`): the engine's sum of two gradients, and the scatters of formulas
-# into fresh zeros (gather, index_select, masked_select, max/min/sort/topk along a dim, cummax/cummin,
-# trace, take, indexing)
-IN_PLACE_IN_BACKWARD = frozenset({
-    aten.add.Tensor, aten.scatter_add.default, aten.index_add.default, aten.masked_scatter.default,
-    aten.scatter.src, aten.index_fill.int_Tensor, aten.put.default, aten.index_put.default,
-})  # fmt: skip
 # aten ops' outputs by their inputs' metadata (fake_memo.py); None: every op dispatched to the fake mode
 MEMO: OpMemo | None = OpMemo()
 
@@ -155,27 +149,6 @@ def running() -> Iterator[FakeTensorMode]:
 
 # --- the recorder -------------------------------------------------------------------------------
 
-_FRESH: dict[Any, bool] = {}
-
-
-def _fresh(func) -> bool:
-    """Whether every output of func is a new storage: an aten op whose schema lets no output alias an
-    input and writes no input (view and in-place ops are annotated; custom ops' schemas may omit it:
-    FSDP2's `all_gather_copy_in` returns its input). Such an op's outputs need no comparison with
-    its inputs (`FakeRecorder._see`): that comparison made 18% of a 7B step's Python calls."""
-    fresh = _FRESH.get(func)
-    if fresh is None:
-        schema = getattr(func, "_schema", None)
-        fresh = (
-            getattr(func, "namespace", None) == "aten"
-            and schema is not None
-            and all(r.alias_info is None for r in schema.returns)
-            and not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
-        )
-        _FRESH[func] = fresh
-    return fresh
-
-
 class _Dispatch(TorchDispatchMode):
     """Sees every op's outputs above the fake mode and tells the recorder about new storages."""
 
@@ -204,14 +177,15 @@ class _Dispatch(TorchDispatchMode):
         except _DATA_DEPENDENT as e:
             raise _fake_mode_error(e) from e
         sizes = cal[0] if cal is not None else ()
-        inputs = None if _fresh(func) else (args, kwargs)
+        inputs = None if fresh(func) else (args, kwargs)
         for i, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor):
                 rec._see(t, inputs, sizes[i] if i < len(sizes) else None)
         if cal is not None and cal[1] > 0:  # the kernel's own peak, above its outputs
             rec._spike(cal[1])
-        if func in IN_PLACE_IN_BACKWARD:
-            rec._maybe_in_place(func, args, kwargs, out)
+        first = written_in_place(func, args, kwargs, out)
+        if first is not None:
+            rec._maybe_in_place(first, out)
         return out
 
 
@@ -342,28 +316,12 @@ class FakeRecorder:
         if n > 0:  # kept even when empty, to see a later resize_; the allocator reports no empty blocks
             self._events.append((self._tick(), n, key))
 
-    def _maybe_in_place(self, func, args: tuple, kwargs: dict, out: Any) -> None:
-        """Backward on plain tensors writes some results into a tensor that dies with the call: autograd
-        adds a tensor's second gradient into its first when it holds the last references to it
-        (torch/csrc/autograd/input_buffer.cpp), and formulas such as gather's scatter into fresh zeros
-        (`result.scatter_add_`, FunctionsManual.cpp). Under a dispatch mode every tensor is "subclass
-        like", and both take the out-of-place op instead, whose result gets a storage of its own. Taken
-        as the in-place op when the first argument's storage dies right after the result is born
-        (`_free`): what holding its last references means (docs/design.md §3)."""
-        if torch.is_grad_enabled() or torch._C._current_autograd_node() is None:
-            return
-        if func is aten.add.Tensor and (kwargs or len(args) != 2):
-            return
-        a = args[0] if args else None
-        if not (isinstance(a, torch.Tensor) and isinstance(out, torch.Tensor)):
-            return
-        if a.shape != out.shape or a.stride() != out.stride() or a.dtype != out.dtype:
-            return
-        if not (a.is_contiguous() or a.is_contiguous(memory_format=torch.channels_last)):
-            return
-        key, first = fake_storage_key(out), fake_storage_key(a)
-        if self._events and self._events[-1][2] == key and self._events[-1][0] == self._clock and first in self._live:
-            self._in_place = (key, first)
+    def _maybe_in_place(self, first: torch.Tensor, out: torch.Tensor) -> None:
+        """`out` taken as written into `first` (fake_ops.written_in_place) if `first`'s storage dies
+        right after `out`'s is born (`_free`): the engine's condition of holding its last references."""
+        key, arg = fake_storage_key(out), fake_storage_key(first)
+        if self._events and self._events[-1][2] == key and self._events[-1][0] == self._clock and arg in self._live:
+            self._in_place = (key, arg)
 
     def _free(self, key: int, _ref: Any = None) -> None:
         placed = self._in_place is not None and self._in_place[1] == key and self._events[-1][0] == self._clock
@@ -405,7 +363,7 @@ class FakeRecorder:
 
     def _see(self, t: torch.Tensor, inputs: tuple | None, size: int | None) -> None:
         """Count t's storage as born now unless it is known, or one of the op's `inputs` (args, kwargs)
-        holds it; `inputs` None: no output of the op can share an input's storage (`_fresh`)."""
+        holds it; `inputs` None: no output of the op can share an input's storage (`fake_ops.fresh`)."""
         if t.layout != torch.strided:  # sparse and other layouts have no single storage to follow
             self.unmodelled[f"{t.layout} outputs"] = self.unmodelled.get(f"{t.layout} outputs", 0) + 1
             return

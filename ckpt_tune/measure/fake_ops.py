@@ -1,13 +1,14 @@
-"""Ops the recording modes of measure/fake.py answer themselves (docs/design.md §3): `SHORTCUTS`
+"""Ops as the recording modes of measure/fake.py see them (docs/design.md §3): `SHORTCUTS`
 (`tensor.device` and `record_function` ranges, answered as fake mode would, without dispatching them
-further), `MetaGaps` (outputs for ops whose meta kernel refuses what the CPU kernel runs, or lays out
-otherwise) and
-`eager_hf_masks` (Hugging Face's eager mask path under fake tensors)."""
+further), `fresh` (ops whose outputs are all new storages), `written_in_place` (what backward writes in
+place on plain tensors), `MetaGaps` (outputs for ops whose meta kernel refuses what the CPU kernel runs,
+or lays out otherwise) and `eager_hf_masks` (Hugging Face's eager mask path under fake tensors)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -94,6 +95,60 @@ def eager_hf_masks() -> Iterator[None]:
         yield
     finally:
         masking.find_packed_sequence_indices = find
+
+
+# --- what an op's outputs are ----------------------------------------------------------------------
+
+_FRESH: dict[Any, bool] = {}
+
+
+def fresh(func) -> bool:
+    """Whether every output of func is a new storage: an aten op whose schema lets no output alias an
+    input and writes no input (view and in-place ops are annotated; custom ops' schemas may omit it:
+    FSDP2's `all_gather_copy_in` returns its input). Such an op's outputs need no comparison with
+    its inputs (`fake.FakeRecorder._see`): that comparison made 18% of a 7B step's Python calls."""
+    fresh = _FRESH.get(func)
+    if fresh is None:
+        schema = getattr(func, "_schema", None)
+        fresh = (
+            getattr(func, "namespace", None) == "aten"
+            and schema is not None
+            and all(r.alias_info is None for r in schema.returns)
+            and not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        )
+        _FRESH[func] = fresh
+    return fresh
+
+
+# Out-of-place ops that backward on plain tensors runs in place, into a tensor that dies with the call
+# (`written_in_place`): the engine's sum of two gradients, and the scatters of formulas
+# into fresh zeros (gather, index_select, masked_select, max/min/sort/topk along a dim, cummax/cummin,
+# trace, take, indexing)
+IN_PLACE_IN_BACKWARD = frozenset({
+    aten.add.Tensor, aten.scatter_add.default, aten.index_add.default, aten.masked_scatter.default,
+    aten.scatter.src, aten.index_fill.int_Tensor, aten.put.default, aten.index_put.default,
+})  # fmt: skip
+
+
+def written_in_place(func, args: tuple, kwargs: dict, out: Any) -> torch.Tensor | None:
+    """The argument `out` would have been written into on plain tensors, or None. Backward on plain
+    tensors writes some results into a tensor that dies with the call: autograd adds a tensor's second
+    gradient into its first when it holds the last references to it (torch/csrc/autograd/input_buffer.cpp),
+    and formulas such as gather's scatter into fresh zeros (`result.scatter_add_`, FunctionsManual.cpp).
+    Under a dispatch mode every tensor is "subclass like", and both take the out-of-place op instead,
+    whose result gets a storage of its own. The recorder takes the result as written into this argument
+    when the argument's storage dies right after the result is born (`FakeRecorder._maybe_in_place`,
+    docs/design.md §3)."""
+    if func not in IN_PLACE_IN_BACKWARD or torch.is_grad_enabled() or torch._C._current_autograd_node() is None:
+        return None
+    if func is aten.add.Tensor and (kwargs or len(args) != 2):
+        return None
+    a = args[0] if args else None
+    if not (isinstance(a, torch.Tensor) and isinstance(out, torch.Tensor)):
+        return None
+    if a.shape != out.shape or a.stride() != out.stride() or a.dtype != out.dtype:
+        return None
+    return a if a.is_contiguous() or a.is_contiguous(memory_format=torch.channels_last) else None
 
 
 # --- ops whose meta kernel rejects what the CPU kernel runs, or lays out its output otherwise ---------
