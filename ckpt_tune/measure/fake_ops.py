@@ -139,10 +139,13 @@ def written_in_place(func, args: tuple, kwargs: dict, out: Any) -> torch.Tensor 
     whose result gets a storage of its own. The recorder takes the result as written into this argument
     when the argument's storage dies right after the result is born (`FakeRecorder._maybe_in_place`,
     docs/design.md §3)."""
-    if func not in IN_PLACE_IN_BACKWARD or torch.is_grad_enabled() or torch._C._current_autograd_node() is None:
+    node = None if func not in IN_PLACE_IN_BACKWARD or torch.is_grad_enabled() else torch._C._current_autograd_node()
+    if node is None:
         return None
     if func is aten.add.Tensor and (kwargs or len(args) != 2):
         return None
+    if func is aten.add.Tensor and any(type(n).__name__ == "AccumulateGrad" for n, _ in node.next_functions if n is not None):
+        return None  # the gradients of a parameter used twice (T5's shared embedding): out of place on the CPU too
     a = args[0] if args else None
     if not (isinstance(a, torch.Tensor) and isinstance(out, torch.Tensor)):
         return None
