@@ -142,10 +142,12 @@ def written_in_place(func, args: tuple, kwargs: dict, out: Any) -> torch.Tensor 
     node = None if func not in IN_PLACE_IN_BACKWARD or torch.is_grad_enabled() else torch._C._current_autograd_node()
     if node is None:
         return None
-    if func is aten.add.Tensor and (kwargs or len(args) != 2):
+    if func is aten.add.Tensor and (
+        kwargs or len(args) != 2
+        # the gradients of a parameter used twice (T5's shared embedding): out of place on the CPU too
+        or any(type(n).__name__ == "AccumulateGrad" for n, _ in node.next_functions if n is not None)
+    ):
         return None
-    if func is aten.add.Tensor and any(type(n).__name__ == "AccumulateGrad" for n, _ in node.next_functions if n is not None):
-        return None  # the gradients of a parameter used twice (T5's shared embedding): out of place on the CPU too
     a = args[0] if args else None
     if not (isinstance(a, torch.Tensor) and isinstance(out, torch.Tensor)):
         return None
@@ -157,7 +159,7 @@ def written_in_place(func, args: tuple, kwargs: dict, out: Any) -> torch.Tensor 
 # --- ops whose meta kernel rejects what the CPU kernel runs, or lays out its output otherwise ---------
 
 
-def _grouped_mm_output(args, kwargs) -> torch.Tensor | None:
+def _grouped_mm_output(func, args, kwargs) -> torch.Tensor | None:
     """`aten._grouped_mm` (MoE experts in transformers): the meta kernel demands bf16 (CUDA's rule), the
     CPU kernel takes any float dtype. Same output as the meta kernel's CPU branch, for any dtype."""
     a, b = args[0], args[1]
@@ -204,12 +206,8 @@ def _norm_backward(input_at: int, fmt=None):
     return fill
 
 
-def _grouped_mm_fill(func, args, kwargs):
-    return _grouped_mm_output(args, kwargs)
-
-
 META_GAPS = {
-    aten._grouped_mm.default: _grouped_mm_fill,
+    aten._grouped_mm.default: _grouped_mm_output,
     aten.native_layer_norm_backward.default: _norm_backward(1, torch.contiguous_format),
     aten.native_batch_norm_backward.default: _norm_backward(1),
     aten.native_group_norm_backward.default: _norm_backward(1),
