@@ -8,7 +8,11 @@ the independent harness (tests/harness.py) and against real steps of the same co
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -129,3 +133,35 @@ def test_the_fake_twin_of_a_cuda_step_sizes_it_as_device_meta_does() -> None:
     with twin:
         got = twin.measure(4).peak_bytes
     assert got == profile(GPT, batch_size=4, settings=Settings(device="meta"), scaling=False).peak_bytes
+
+
+# A fresh interpreter per command: its own peak resident size (getrusage of the process itself), as a
+# user's `ckpt-tune` process would have it; forked probe processes are not counted in it.
+_PEAK_RSS = (
+    "import resource, sys\n"
+    "from ckpt_tune.cli import main\n"
+    "try:\n"
+    "    main(sys.argv[1:])\n"
+    "finally:\n"
+    "    print('PEAK_RSS_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
+)
+
+
+def _peak_rss(*args: str) -> int:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-c", _PEAK_RSS, *args], capture_output=True, text=True, env=env,
+                       cwd=Path(__file__).resolve().parents[1], timeout=600)
+    line = [x for x in r.stderr.splitlines() if x.startswith("PEAK_RSS_KIB")]
+    assert line, r.stderr[-2000:]
+    return int(line[-1].split()[1]) * 1024
+
+
+@pytest.mark.parametrize("target", ["examples/unet.py:build", "examples/resnet.py:build"])
+def test_a_search_on_cpu_grows_the_process_by_at_most_the_budget_and_a_tenth(target, tmp_path) -> None:
+    """The process's peak resident size during `search --device cpu --vram 160MiB` stays within the budget
+    plus 10% above a batch-1 profile's of the same model: what real steps free goes back to the OS
+    (measure/host.py, bounded_heap), not kept in glibc's heap (2.2 and 2.7 times the budget above the
+    profile before)."""
+    profile = _peak_rss("profile", target, "--device", "cpu", "--batch-size", "1")
+    searched = _peak_rss("search", target, "--device", "cpu", "--vram", "160MiB", "--out", str(tmp_path / "plan.yaml"))
+    assert searched - profile <= 1.1 * BUDGET, (searched - profile) / BUDGET
