@@ -224,7 +224,7 @@ def run_budget(ex, vram: str, blocks: tuple[str, ...], repeats: int) -> dict:
     # its own recorded steps peak at, against the budget it was given?
     base = outcome.result.baselines.get("no checkpointing")
     probe_peak = base.predicted_peak if base else None
-    print(f"{vram}: ckpt-tune: batch {plan.batch_size}, {_checkpointed(checkpoint, len(blocks))} blocks, {tool_s:.1f} s, "
+    print(f"{vram}: ckpt-tune: batch {plan.batch_size}, blocks checkpointed {_checkpointed(checkpoint, blocks)}, {tool_s:.1f} s, "
           f"{counts['real_iterations']} real steps ({counts['real_recorded']} recorded, {counts['real_over_budget']} of them over the budget), "
           f"{outcome.result.probes - counts['real_recorded']} recorded under fake tensors; "
           f"harness peak {mib(tool_peak)} MiB of {mib(budget)}", flush=True)
@@ -260,11 +260,16 @@ def run_budget(ex, vram: str, blocks: tuple[str, ...], repeats: int) -> dict:
     return {"vram": vram, "budget_bytes": budget, "rows": rows, "ckpt_tune_no_checkpointing_probe_bytes": probe_peak}
 
 
-def _checkpointed(entries, n: int) -> str:
-    """`4/6`, or `6/6 in 2 segments` when a plan checkpoints runs of blocks as one."""
+def _checkpointed(entries, blocks: tuple[str, ...]) -> str:
+    """`4/6`, `6/6 in 2 segments` (runs of blocks checkpointed as one), `4/6 + 3 sub-modules` (parts of the
+    other blocks), `2/4 + 2 under an op policy` (blocks whose chosen ops alone are recomputed)."""
     segs = sum(1 for e in entries if not isinstance(e, str))
-    count = sum(1 if isinstance(e, str) else len(e) for e in entries)
-    return f"{count}/{n}" + (f" in {segs} segment{'s' if segs > 1 else ''}" if segs else "")
+    whole = sum(len(e) if not isinstance(e, str) else int(e in blocks) for e in entries)
+    ops = sum(1 for e in entries if isinstance(e, str) and "@" in e)
+    subs = sum(1 for e in entries if isinstance(e, str) and "@" not in e and e not in blocks)
+    out = f"{whole}/{len(blocks)}" + (f" in {segs} segment{'s' if segs > 1 else ''}" if segs else "")
+    out += f" + {subs} sub-module{'s' if subs > 1 else ''}" if subs else ""
+    return out + (f" + {ops} under an op policy" if ops else "")
 
 
 def report_model(ex, blocks: tuple[str, ...], runs: list[dict], summary: list[str]) -> list[str]:
@@ -278,7 +283,7 @@ def report_model(ex, blocks: tuple[str, ...], runs: list[dict], summary: list[st
             md_table(
                 ["finder", "batch found", "blocks checkpointed", "measured peak MiB", "fits", "steps run (+ failed first steps)",
                  "charged time", "time / ckpt-tune's", "old rule: time", "samples/s at the result"],
-                [[r["finder"], r["batch"], _checkpointed(r["checkpointed"], len(blocks)), mib(r["measured_bytes"]),
+                [[r["finder"], r["batch"], _checkpointed(r["checkpointed"], blocks), mib(r["measured_bytes"]),
                   "yes" if r["fits"] else "NO",
                   (f"{r['real_steps']} real ({r['real_recorded']} recorded) + {r['fake_recorded']} fake" if r["trials"] is None
                    else f"{r['steps']} + {r['failed_steps']}"),
