@@ -56,11 +56,11 @@ def bounded_heap():
     """Keep the process's size near the live tensors' bytes while real CPU steps run: glibc's mmap
     threshold fixed at `HEAP_MMAP_THRESHOLD`, where glibc starts. By default glibc raises the threshold
     after every large free, up to 32 MiB, so that a step's tensors below it come from the heap, where
-    what a step frees stays resident: a search of examples/resnet.py at 160 MiB grew the process by 2.7
-    times the budget over a batch-1 profile. Above the fixed threshold each tensor is its own mapping,
-    given back when freed; each costs its page faults, so CPU steps time about a quarter longer (the
-    recompute fractions the plans rest on are unchanged). glibc cannot go back to its moving threshold:
-    on leaving, the threshold is fixed where a training process's settles, 32 MiB (docs/design.md §3)."""
+    what a step frees stays resident, and a search's process grows by several times its budget. Above
+    the fixed threshold each tensor is its own mapping, given back when freed; each costs its page
+    faults, so CPU steps take longer (the recompute fractions the plans rest on hold:
+    benchmarks/results/host_memory.md). glibc cannot go back to its moving threshold: on leaving, the
+    threshold is fixed where a training process's settles, 32 MiB (docs/design.md §3)."""
     global _BOUNDED
     libc = _libc()
     if libc is None or _BOUNDED:  # not glibc, or bounded by an outer guard
