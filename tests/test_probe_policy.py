@@ -32,18 +32,20 @@ BUDGET = 160 * 2**20
 def test_a_fake_step_counts_the_generator_states_a_checkpoint_keeps() -> None:
     """A checkpoint keeps the CPU generator's state (5,056 B) from its forward to its recompute and
     `fork_rng` copies it again there: a fake step of a checkpointed plan is off from the real one by
-    exactly what the plain step is off by (tens of bytes at most), not by 5,056 B per block."""
+    exactly what the plain step is off by (tens of bytes at most), not by 5,056 B per block. A segment,
+    which compares the generator's state between its blocks, records under fake tensors too."""
     t = load(GPT, Settings(device="cpu"))
     model, runner, step = build_runner(t, Settings(device="cpu"))
     fake = fake_twin(t, step)
     blocks = find_blocks(model)
     with runner, fake:
         diffs = {}
-        for name, ck in (("none", []), ("every block", blocks), ("even blocks", blocks[::2])):
+        segments = [blocks[:3], blocks[3:]]  # a segment compares the generator's state between its blocks
+        for name, ck in (("none", []), ("every block", blocks), ("even blocks", blocks[::2]), ("two segments", segments)):
             real = runner.real.measure(3, checkpoint=ck, units=blocks).peak_bytes
             diffs[name] = fake.measure(3, checkpoint=ck, units=blocks).peak_bytes - real
     assert abs(diffs["none"]) <= 64, diffs
-    assert diffs["every block"] == diffs["even blocks"] == diffs["none"], diffs
+    assert diffs["every block"] == diffs["even blocks"] == diffs["two segments"] == diffs["none"], diffs
 
 
 def test_search_on_cpu_probes_under_fake_tensors_and_runs_real_steps_within_the_budget(monkeypatch) -> None:

@@ -49,6 +49,11 @@ def _no_dispatch_modes():
     return disable() if disable is not None else contextlib.nullcontext()
 
 
+def _is_fake(t: torch.Tensor) -> bool:
+    """Whether `t` is a fake tensor (a state with no values to compare)."""
+    return type(t).__name__ == "FakeTensor"
+
+
 def available() -> bool:
     """Whether this torch has the non-reentrant checkpoint generator segments are built on."""
     return callable(getattr(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator", None))
@@ -173,6 +178,8 @@ class Segment:
         running the blocks back to back, is already there)."""
         now, before = self._rng_states(args, kwargs), self.rng_after
         self.rng_after = None
+        if before is not None and _is_fake(now[0]):
+            return None  # recorded under fake tensors (ckpt-tune's probes): a fake step draws no random numbers
         # RNG states are real byte tensors even under fake tensors or another dispatch mode: compare them
         # outside any mode (a mode would see a data-dependent op and fail)
         with _no_dispatch_modes():
