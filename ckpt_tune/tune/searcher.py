@@ -169,8 +169,12 @@ class Searcher(Ordering, StepCosts, TermStore, EveryBlockFloor, Verdicts):
         """The plan-verify loop at batch b (verify.py), with what a search adds to a plan's run: a plan
         verified alongside the probes is not run again; one that fails is solved again without the
         refinements it used; one with estimated segment terms is solved again on the terms its run
-        measured. ((solution, (verified peak, solved again after its run)) or None, {choice: peak})."""
+        measured. Should the solves run out before a plan solved on measured terms fits, the cheapest plan
+        that was verified within the budget when solved on estimated terms is reported (its prediction
+        the one made before its run): a plan that fits, found and measured, is not given up for a smaller
+        batch. ((solution, (verified peak, solved again after its run)) or None, {choice: peak})."""
         verified: dict[tuple[int, ...], int] = {}  # choice -> its measured peak, at batch b
+        fitted: list[Solution] = []  # solved on estimated segment terms, verified within the budget
         trials = 0
 
         def run(sol: Solution) -> tuple[int, tuple[int, bool]] | None:
@@ -193,6 +197,8 @@ class Searcher(Ordering, StepCosts, TermStore, EveryBlockFloor, Verdicts):
                     return None
                 if estimated:
                     # the segments' terms are measured now: solve again on them before trusting the plan
+                    if verified[sol.choice] <= budget:
+                        fitted.append(sol)
                     trials += 1
                     if trials >= SEGMENT_TRIALS:
                         self.drop_estimated_segments(b)
@@ -200,7 +206,15 @@ class Searcher(Ordering, StepCosts, TermStore, EveryBlockFloor, Verdicts):
             return verified[sol.choice], (verified[sol.choice], rerun)
 
         solve_in = lambda room: solve(self.terms(b), self.costs(b), room)  # noqa: E731
-        return plan_and_verify(solve_in, budget, run, max_solves=SOLVES_PER_BATCH), verified
+        found = plan_and_verify(solve_in, budget, run, max_solves=SOLVES_PER_BATCH)
+        if found is None and fitted:
+            best = min(fitted, key=lambda x: x.cost)
+            self.notes.append(
+                f"batch {b}: solved again on measured segment terms, no plan fitted before the solves ran out; "
+                "reported: the cheapest plan that was verified within the budget, solved on estimated terms"
+            )
+            found = best, (verified[best.choice], False)
+        return found, verified
 
     def _reported(self, b: int, sol: Solution, verified: tuple[int, bool], budget: int) -> SearchResult:
         """The result for the plan verified at b, with the prediction made before its first run."""
