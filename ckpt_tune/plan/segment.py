@@ -178,9 +178,11 @@ class Segment:
         running the blocks back to back, is already there)."""
         now, before = self._rng_states(args, kwargs), self.rng_after
         self.rng_after = None
+        # recorded with the CPU allocator's rules, the CPU state is a fake tensor (measure/fake_ops.py
+        # cpu_rng_states), with no values to compare: a fake step draws no random numbers
         if before is not None and _is_fake(now[0]):
-            return None  # recorded under fake tensors (ckpt-tune's probes): a fake step draws no random numbers
-        # RNG states are real byte tensors even under fake tensors or another dispatch mode: compare them
+            return None
+        # otherwise RNG states are real byte tensors, even under another dispatch mode: compare them
         # outside any mode (a mode would see a data-dependent op and fail)
         with _no_dispatch_modes():
             same = before is not None and torch.equal(now[0], before[0]) and now[1] == before[1] and all(
