@@ -58,8 +58,8 @@ def bounded_heap():
     after every large free, up to 32 MiB, so that a step's tensors below it come from the heap, where
     what a step frees stays resident, and a search's process grows by several times its budget. Above
     the fixed threshold each tensor is its own mapping, given back when freed; each costs its page
-    faults, so CPU steps take longer (the recompute fractions the plans rest on hold:
-    benchmarks/results/host_memory.md). glibc cannot go back to its moving threshold: on leaving, the
+    faults, so CPU steps take longer, the blocks' share of a step a few hundredths more
+    (benchmarks/results/host_memory.md). glibc cannot go back to its moving threshold: on leaving, the
     threshold is fixed where a training process's settles, 32 MiB (docs/design.md §3)."""
     global _BOUNDED
     libc = _libc()
