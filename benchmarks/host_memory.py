@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import md_table, write_results  # noqa: E402
+from ckpt_tune.measure.host import HEAP_MMAP_THRESHOLD, SETTLED_MMAP_THRESHOLD  # noqa: E402
 
 MiB = 2**20
 STEP_BATCH = {"resnet": 32, "unet": 16, "vit": 16, "gpt": 16, "hf_gpt2": 4}
@@ -55,6 +56,7 @@ _STEP = """
 import ctypes, json, sys
 import torch
 torch.set_num_threads(1)
+from ckpt_tune.measure.host import M_MMAP_THRESHOLD
 from ckpt_tune.measure.session import Settings, load, build_runner
 from ckpt_tune.tune.candidates import find_blocks
 libc = ctypes.CDLL("libc.so.6")
@@ -62,12 +64,13 @@ spec, b, threshold = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 t = load(spec, Settings(device="cpu"))
 model, runner, _ = build_runner(t, Settings(device="cpu"))
 blocks = find_blocks(model)
-libc.mallopt(-3, threshold)  # after the build, before the first step: as HostGuard's bounded_heap
+libc.mallopt(M_MMAP_THRESHOLD, threshold)  # after the build, before the first step: as HostGuard's bounded_heap
 with runner.real as real:
     tm = real.time_step(b, repeats=5)
 print("STEP", json.dumps([tm.step_ms, sum(tm.forward_ms.get(u, 0.0) for u in blocks) / tm.step_ms]))
 """
-THRESHOLDS = {"bounded": 128 * 1024, "settled": 32 * MiB}
+# the threshold a search's real steps run at, and the one a training process's settles at
+THRESHOLDS = {"bounded": HEAP_MMAP_THRESHOLD, "settled": SETTLED_MMAP_THRESHOLD}
 
 
 def peak_rss(mode: str, *args: str) -> int:
