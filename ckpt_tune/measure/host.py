@@ -169,12 +169,13 @@ class HostGuard:
         attribute: bool = False,
         accum_steps: int = 1,
         optimizer_step: bool = True,
+        cold: bool = False,
     ) -> Measurement:
         # a first plain step at batch <= 2 is the one `fits` would run to bound the others: run once, as the bound
         whole = not checkpoint and accum_steps == 1 and optimizer_step
         first = not self._peaks and whole and batch_size <= 2
         if first or self.fits(batch_size, accum_steps):
-            m = self.real.measure(batch_size, checkpoint, units, attribute, accum_steps, optimizer_step)
+            m = self.real.measure(batch_size, checkpoint, units, attribute, accum_steps, optimizer_step, cold)
             release_freed()
             if whole:
                 self._peaks[batch_size] = (m.peak_bytes, m.static_bytes)

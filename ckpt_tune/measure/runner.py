@@ -271,6 +271,7 @@ class StepRunner:
         attribute: bool = False,
         accum_steps: int = 1,
         optimizer_step: bool = True,
+        cold: bool = False,
     ) -> Measurement:
         """Record one steady-state iteration.
 
@@ -282,9 +283,11 @@ class StepRunner:
 
         Under fake tensors the first iteration is recorded as the steady one, without a warm-up before
         it: its optimizer step's allocation of the state is taken out of the timeline (`_steady`), or,
-        where the iteration keeps anything else, it was the warm-up and the next one is recorded.
+        where the iteration keeps anything else, it was the warm-up and the next one is recorded. `cold`:
+        the same on a CPU, where the timeline is every byte of the step (on CUDA the allocator's own
+        peak, which the state's allocation is part of, is taken: a warm-up runs first).
         """
-        cold = self.fake and not self._warm and optimizer_step and self.optimizer is not None
+        cold = (self.fake or (cold and self.device.type == "cpu")) and not self._warm and optimizer_step and self.optimizer is not None
         if not cold:
             self.warm_up(batch_size)
         param_b, opt_b, grads_before = self.state_bytes()

@@ -118,9 +118,10 @@ class Searcher(Ordering, StepCosts, TermStore, EveryBlockFloor, Verdicts):
     def _real_plain(self, batch_size: int) -> None:
         """Probes under fake tensors: the user's step run for real once, at the first small batch, as it
         is (the first step of any search), so that a failure of the real step is the user's and what
-        fails later is ckpt-tune's."""
+        fails later is ckpt-tune's. Recorded from cold on a CPU, as a fake step is: one iteration, not a
+        warm-up and then the recorded one (runner.py `measure`)."""
         self._say(f"running the step for real at batch {batch_size}")
-        m = self.real.measure(batch_size)
+        m = self.real.measure(batch_size, cold=True)
         self.real_peaks.append(m.peak_bytes)
         self.runs += 1
         self.plain_ran = True
