@@ -17,9 +17,11 @@ from pathlib import Path
 import pytest
 
 from ckpt_tune import Settings, search
+from ckpt_tune.measure.forked import WORKERS_ENV
 from ckpt_tune.measure.runner import StepRunner, StepSettings
 from ckpt_tune.measure.session import build_runner, fake_twin, load, profile
 from ckpt_tune.tune.candidates import find_blocks
+from ckpt_tune.tune.probing import ProbeSteps
 from tests import harness
 from tests.test_examples import load_example
 
@@ -167,3 +169,58 @@ def test_a_search_on_cpu_grows_the_process_by_at_most_the_budget_and_a_tenth(tar
     profile = _peak_rss("profile", target, "--device", "cpu", "--batch-size", "1")
     searched = _peak_rss("search", target, "--device", "cpu", "--vram", "160MiB", "--out", str(tmp_path / "plan.yaml"))
     assert searched - profile <= 1.1 * BUDGET, (searched - profile) / BUDGET
+
+
+@pytest.mark.parametrize("name", ["gpt", "resnet"])
+def test_the_users_step_on_a_cpu_is_one_iteration_recorded_from_cold_at_its_steady_peak(name, monkeypatch) -> None:
+    """The user's real step (`Searcher._real_plain`) is recorded from cold, as a fake step is
+    (runner.py `measure(cold=True)`: the optimizer state's allocation taken out of the timeline): one
+    iteration, not a warm-up and then the recorded one. Its peak is the steady-state iteration's, as
+    the independent harness measures it."""
+    ex = load_example(name)
+    spec = f"examples/{name}.py:build"
+    iterations = [0]
+    iteration = StepRunner.iteration
+
+    def counted(self, *a, **k):
+        iterations[0] += 1
+        return iteration(self, *a, **k)
+
+    monkeypatch.setattr(StepRunner, "iteration", counted)
+    _model, runner, _step = build_runner(load(spec, Settings(device="cpu")), Settings(device="cpu"))
+    with runner:
+        m = runner.measure(2, cold=True)
+    assert iterations[0] == 1
+    assert m.peak_bytes == harness.measured_peak(ex.build, ex.make_batch, ex.loss_fn, 2)
+
+
+@pytest.mark.hf
+def test_the_plan_is_verified_for_real_while_forked_processes_record_the_probes_at_its_batch(monkeypatch) -> None:
+    """Probes under fake tensors: the plan that the small batches' terms choose at the first batch probed
+    beyond them (HF GPT-2 at 160 MiB: batch 3, no segment) is verified for real in this process while
+    forked ones record the probes there (probing.py `_verify_beside`), and measures what the harness
+    does. Where the probed terms then choose that plan, its verification is the one reported: no
+    verification runs after the probes."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv(WORKERS_ENV, "2")
+    beside = []
+    verify = ProbeSteps._verify_beside
+
+    def seen(self, plan):
+        peak = verify(self, plan)
+        beside.append((plan, peak, os.getpid()))
+        return peak
+
+    monkeypatch.setattr(ProbeSteps, "_verify_beside", seen)
+    res = search("examples/hf_gpt2.py:build", vram="160MiB", settings=Settings(device="cpu")).result
+    assert len(beside) == 1
+    (b, names, _choice), peak, pid = beside[0]
+    assert pid == os.getpid()  # a real step: in this process, not a forked one
+    ex = load_example("hf_gpt2")
+    assert peak == harness.measured_peak(ex.build, ex.make_batch, ex.loss_fn, b, checkpoint=list(names))
+    if (b, tuple(names)) == (res.batch_size, tuple(res.checkpoint)):
+        assert res.verified_peak == peak <= BUDGET
+        assert "verify" not in res.stage_seconds, res.stage_seconds
+        assert res.real_steps == 2  # the user's step and this verification
+    else:
+        assert "verify" in res.stage_seconds

@@ -175,8 +175,12 @@ class ProbeSteps(SearchState):
             todo.setdefault((b, none), (b, "none", none, (1, step[1])))
         todo = {k: v for k, v in todo.items() if k not in self.short_cuts}
         items = [("short", v) for k, v in sorted(todo.items(), key=lambda kv: any(kv[0][1]))]
-        if self.real is not self.runner:  # step times are real steps: in this process, when asked for
-            timing, plan = (), None
+        # probes under fake tensors, steps on the device: step times are timed in this process when asked
+        # for (nothing beside them), and the verification, a real step, runs in this process while forked
+        # ones record the fake probes
+        real = self.real is not self.runner
+        if real:
+            timing = ()
         # with a plan to verify, the frontier around its batch is solved after the FLOP count there (the
         # search's answer is most often that batch); on the small batches' terms, probed before
         rows = None
@@ -204,14 +208,13 @@ class ProbeSteps(SearchState):
                 frontier = [self._row(x, budget_, self.b1, self.b2, timed[0], timed[1]) for x in sizes]
                 return timed, frontier, time.perf_counter() - t0
             if kind == "verify":
-                b, names, _choice = what
-                self._say(f"verifying batch {b} with {len(names)} checkpoints, while the probes at that batch run")
-                return self._measure_plan(b, names).peak_bytes, time.perf_counter() - t0
+                return self._verify_beside(what), time.perf_counter() - t0
             b, label, choice, _step = what
             # numbered among this share-out's items: the progress line's time left is the share-out's
             return self._record_short(b, choice, label, (items.index(item) + 1, len(items)), workers)
 
-        got = dict(zip(items, fork_map(run, items, workers, costs), strict=True))
+        here = [k for k, (kind, _w) in enumerate(items) if kind == "verify"] if real else []
+        got = dict(zip(items, fork_map(run, items, workers, costs, here), strict=True))
         for (kind, what), res in sorted(got.items(), key=lambda kv: kv[0][0] != "short" or any(kv[0][1][2])):
             if kind == "time":
                 self._costs[what] = res[0]
@@ -220,8 +223,7 @@ class ProbeSteps(SearchState):
                 budget_, b, sizes, known = rows
                 self.frontiers[(self._kind, budget_, tuple(sizes), self.b1, self.b2, b)] = (res[1], self._version, known)
             elif kind == "verify":
-                self.runs += 1
-                self.speculated[(what[0], what[2])] = res[0]
+                self._speculated(what, res[0])
             else:
                 self._keep_short((what[0], what[2]), *res)
 
@@ -234,24 +236,48 @@ class ProbeSteps(SearchState):
         batch on terms fitted from the two small batches is verified in the same share-out (and the
         frontier around it solved): where the probed terms then give
         the same plan, the search takes that verification (`search`); the plan is still the one the
-        probed terms choose, measured at full depth."""
-        if self.repeat is None or not self._forks or self._kind != 1:
+        probed terms choose, measured at full depth. Without a shortened chain the probes are recorded
+        at full depth when the search asks for them (`TermStore._full_terms`): the plan is kept for that
+        share-out (`_beside`)."""
+        if not self._forks or self._kind != 1:
+            return
+        # in one process a verification beside the probes only runs sooner, or in vain where the plan differs
+        alongside = budget is not None and len(batches) == 1 and self._workers(2) > 1
+        plan = self._likely_plan(batches[0], budget) if alongside else None
+        if self.repeat is None:
+            self._beside = plan
             return
         configs = self._short_configs()
         n = len(configs)
         probes = [(b, label, choice, (j + 1, n)) for b in batches for j, (label, choice) in enumerate(configs.items())]
-        # in one process a verification beside the probes only runs sooner, or in vain where the plan differs
-        alongside = budget is not None and len(batches) == 1 and self._workers(2) > 1
-        plan = self._likely_plan(batches[0], budget) if alongside else None
         # a probe that fails here is recorded again by `terms`, which drops its option or the shortened chain
         with self._stage("probe" if plan is None else "probe+verify"), contextlib.suppress(Exception):
             self._record_shorts(probes, timing, plan, budget)
 
+    def _verify_beside(self, plan: tuple) -> int | None:
+        """The peak of `plan` (batch, names, choice) verified beside the probes at its batch: on the device
+        where the probes are fake (in this process, `fork_map`'s `here`). None when it failed: a guess
+        of ours, dropped; the search verifies the plan it then chooses, and tells a failure there."""
+        b, names, _choice = plan
+        self._say(f"verifying batch {b} with {len(names)} checkpoints, while the probes at that batch run")
+        try:
+            return self._measure_plan(b, names, self.real if self.real is not self.runner else None).peak_bytes
+        except Exception:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            return None
+
+    def _speculated(self, plan: tuple, peak: int | None) -> None:
+        if peak is not None:
+            self.runs += 1
+            self.speculated[(plan[0], plan[2])] = peak
+
     def _likely_plan(self, b: int, budget: int) -> tuple | None:
         """(b, names, choice) of the plan the fitted terms choose at b, when its verification can be
         shared out with the probes there: b not yet probed, an iteration of one batch, a measured step
-        (not divided by arithmetic), and no segment (whose terms a verification would teach)."""
-        if b in self.probed or b in (self.b1, self.b2) or self.accum_steps != 1 or self.sharding == "arithmetic" or self.real is not self.runner:
+        (not divided by arithmetic), and no segment (whose terms a verification would teach). With probes
+        under fake tensors, a real step: its predicted peak is within the budget, on the fitted terms."""
+        if b in self.probed or b in (self.b1, self.b2) or self.accum_steps != 1 or self.sharding == "arithmetic":
             return None
         t = self.fitted(b, self.b1, self.b2)
         sol = solve(t, self.costs(self.b1), budget)

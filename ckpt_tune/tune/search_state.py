@@ -130,6 +130,8 @@ class SearchState:
         self._dropped: set[str] = set()  # finer options whose probe step failed (never offered again)
         # (batch, choice) -> the peak of a plan verified alongside the probes at that batch (prefetch)
         self.speculated: dict[tuple[int, tuple[int, ...]], int] = {}
+        # (batch, names, choice): a plan to verify beside the full-depth probes at its batch (prefetch)
+        self._beside: tuple | None = None
         # (batch, choice) -> its predicted peak when it was first run (the prediction before verification)
         self._first_predicted: dict[tuple[int, tuple[int, ...]], int] = {}
         # frontiers solved alongside probes (frontier()): key -> (rows, _version, batches probed then)
@@ -211,6 +213,7 @@ class SearchState:
         self.short_cuts.clear()
         self._costs.clear()
         self.speculated.clear()
+        self._beside = None
         self._first_predicted.clear()
         self._version += 1
 

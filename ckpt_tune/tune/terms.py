@@ -87,16 +87,30 @@ class TermStore(ProbeSteps):
         n = len(configs)
         reuse = self._order_cut is not None and self._kind == 1 and self._order_cut[0] == batch_size
         todo = [(j, label, choice) for j, (label, choice) in enumerate(configs.items()) if not (reuse and not any(choice))]
-        workers = self._workers(len(todo))
+        # the plan prefetch expects at this batch, verified in the same share-out (probing.py `_verify_beside`)
+        beside, self._beside = self._beside, None
+        plan = beside if beside is not None and beside[0] == batch_size and (beside[0], beside[2]) not in self.speculated else None
+        items = [*todo, plan] if plan is not None else todo
+        workers = self._workers(len(items))
         # only the no-checkpointing probe records the optimizer step; the others take its moments
         # (memory_model.with_step_of), as the shortened probes do
         borrow = self._kind == 1 and self._plain
+
+        def run(t):
+            if t is plan:
+                return self._verify_beside(plan)
+            return self._record_full(batch_size, *t, n, workers, not (borrow and any(t[2])))
+
+        # a real verification runs in this process (forked ones record only fake steps), first
+        here = [len(todo)] if plan is not None and self.real is not self.runner else []
         try:
-            got = fork_map(lambda t: self._record_full(batch_size, *t, n, workers, not (borrow and any(t[2]))), todo, workers)
+            got = fork_map(run, items, workers, here=here)
         except torch.OutOfMemoryError:
             if batch_size in (self.b1, self.b2):
                 raise
             return None  # the failed step's tensors are gone with the exception
+        if plan is not None:
+            self._speculated(plan, got.pop())
         cuts, static = [], 0
         if reuse:  # order_units recorded the no-checkpointing step at this batch
             cuts.append(self._order_cut[1])
