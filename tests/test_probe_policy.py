@@ -63,7 +63,15 @@ def test_search_on_cpu_probes_under_fake_tensors_and_runs_real_steps_within_the_
             real_peaks.append(m.peak_bytes)
         return m
 
+    real_iterations = [0]
+    iteration = StepRunner.iteration
+
+    def iterated(self, *a, **k):
+        real_iterations[0] += not self.fake
+        return iteration(self, *a, **k)
+
     monkeypatch.setattr(StepRunner, "measure", counted)
+    monkeypatch.setattr(StepRunner, "iteration", iterated)
     out = search(GPT, vram="160MiB", settings=Settings(device="cpu"))
     res = out.result
     # every real step recorded in this process (the forked processes' steps are fake) stayed in the budget
@@ -71,7 +79,9 @@ def test_search_on_cpu_probes_under_fake_tensors_and_runs_real_steps_within_the_
     assert max(real_peaks) <= BUDGET, real_peaks
     assert res.real_steps == len(real_peaks)
     assert res.largest_real_peak == max(real_peaks)
-    assert res.timed_steps >= 4  # a warm-up and three timed steps, at a batch whose plain step fits
+    # every other real iteration was timed: three at a batch whose plain step fits (no warm-up, after
+    # the user's step), and the every-block floor's, where it ran
+    assert res.timed_steps == real_iterations[0] - len(real_peaks) >= 3
     assert res.probes - res.real_steps >= fake_steps[0] > 0
     # the plan reported is verified for real, within the budget, and the prediction was that figure
     assert res.verified_peak <= BUDGET

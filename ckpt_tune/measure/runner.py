@@ -84,6 +84,7 @@ class StepRunner:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler = None
         self._warm = False
+        self.iterations = 0  # training iterations run (recorded, timed, warm-up)
         self._snapshot: dict[str, Any] = {}
         self._froze = False  # whether __enter__ froze the collector's objects (gc.freeze)
         self.notes: list[str] = []  # how steps were measured, when not as asked (see measure/host.py)
@@ -191,6 +192,7 @@ class StepRunner:
         `optimizer_step=False`: forward and backward only (the "step" marker still closes the iteration).
         `after_forward`: called once each micro-batch's loss exists, before its backward."""
         torch.manual_seed(SEED)  # same dropout masks every time: memory is deterministic
+        self.iterations += 1
         self._zero_grad()
         mark("iter")
         for micro in range(accum_steps):
