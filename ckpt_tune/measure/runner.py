@@ -84,7 +84,7 @@ class StepRunner:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler = None
         self._warm = False
-        self.iterations = 0  # training iterations run (recorded, timed, warm-up)
+        self.iterations = 0  # training iterations run (`iteration`)
         self._snapshot: dict[str, Any] = {}
         self._froze = False  # whether __enter__ froze the collector's objects (gc.freeze)
         self.notes: list[str] = []  # how steps were measured, when not as asked (see measure/host.py)
@@ -192,7 +192,7 @@ class StepRunner:
         `optimizer_step=False`: forward and backward only (the "step" marker still closes the iteration).
         `after_forward`: called once each micro-batch's loss exists, before its backward."""
         torch.manual_seed(SEED)  # same dropout masks every time: memory is deterministic
-        self.iterations += 1
+        self.iterations += 1  # recorded, timed or warm-up
         self._zero_grad()
         mark("iter")
         for micro in range(accum_steps):
@@ -286,8 +286,7 @@ class StepRunner:
         Under fake tensors the first iteration is recorded as the steady one, without a warm-up before
         it: its optimizer step's allocation of the state is taken out of the timeline (`_steady`), or,
         where the iteration keeps anything else, it was the warm-up and the next one is recorded. `cold`:
-        the same on a CPU, where the timeline is every byte of the step (on CUDA the allocator's own
-        peak, which the state's allocation is part of, is taken: a warm-up runs first).
+        the same on a CPU (not CUDA, whose peak, the allocator's, holds the state's allocation).
         """
         cold = (self.fake or (cold and self.device.type == "cpu")) and not self._warm and optimizer_step and self.optimizer is not None
         if not cold:
