@@ -85,9 +85,7 @@ class EveryBlockFloor(SearchState):
             if peak > budget:
                 return res
         # the checkpointed step's time: its blocks' forwards run twice, the plain step's once
-        before = self.real.iterations
-        timing = self.real.time_step(best, checkpoint=leaves)
-        self.real_timed += self.real.iterations - before if self.real is not self.runner else 0
+        timing = self._time_real(best, checkpoint=leaves)
         again = sum(timing.forward_ms.get(n, 0.0) for n in leaves)
         recompute = again / max(timing.step_ms - again, 1e-9)
         predicted = above + (best - b - 1) * per  # linear in the batch from the two runs, made before `best` ran

@@ -261,7 +261,7 @@ class ProbeSteps(SearchState):
         b, names, _choice = plan
         self._say(f"verifying batch {b} with {len(names)} checkpoints, while the probes at that batch run")
         try:
-            return self._measure_plan(b, names, self.real if self.real is not self.runner else None).peak_bytes
+            return self._measure_plan(b, names, self.real).peak_bytes
         except Exception:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()

@@ -236,6 +236,15 @@ class SearchState:
         """The predecessor option block i sees: a segment before it counts as checkpointed."""
         return 0 if i == 0 else (1 if choice[i - 1] < 0 else choice[i - 1])
 
+    def _time_real(self, batch_size: int, checkpoint=(), repeats: int = 3) -> Timing:
+        """`real.time_step`, its iterations (a warm-up only where none ran before) counted in
+        `real_timed` where the probes are fake."""
+        before = self.real.iterations
+        t = self.real.time_step(batch_size, checkpoint=checkpoint, repeats=repeats)
+        if self.real is not self.runner:
+            self.real_timed += self.real.iterations - before
+        return t
+
     def _real_counts(self, res: SearchResult) -> None:
         """The result's counts of real steps, where the probes ran under fake tensors."""
         if self.real is not self.runner:

@@ -160,12 +160,10 @@ class StepCosts(SearchState):
             checkpoint = [] if at else list(self.units)
             at = at or self.b1
             self._say(f"timing the step at batch {at} on the device" + (", every block checkpointed" if checkpoint else ""))
-            before = self.real.iterations
-            t = self.real.time_step(at, checkpoint=checkpoint, repeats=3)
+            t = self._time_real(at, checkpoint=checkpoint, repeats=3)
             # checkpointed, the blocks' forwards ran twice: the plain step's time runs them once
             again = sum(t.forward_ms.get(u, 0.0) for u in checkpoint)
             self._real_timing = replace(t, step_ms=max(t.step_ms - again, 1e-9))
-            self.real_timed += self.real.iterations - before  # three timed steps, after a warm-up where none ran
             self.notes.append(
                 f"step times measured on the device at batch {at}{' with every block checkpointed' if checkpoint else ''}"
                 " and scaled linearly to other batches (the probes ran under fake tensors)"
