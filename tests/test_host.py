@@ -49,6 +49,47 @@ def guard(fx, limit_bytes: int) -> tuple[HostGuard, SpyRunner]:
     return HostGuard(real, make_fake, headroom=lambda: int(limit_bytes / host.SAFETY) + 1), real
 
 
+class FakeLibc:
+    """glibc's mallopt and malloc_trim, recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def mallopt(self, param: int, value: int) -> int:
+        self.calls.append(("mallopt", param, value))
+        return 1
+
+    def malloc_trim(self, pad: int) -> int:
+        self.calls.append(("trim", pad))
+        return 1
+
+
+def test_real_steps_no_larger_than_the_first_run_on_the_settled_heap_and_larger_ones_bounded(monkeypatch):
+    """While a guard holds the model, glibc's mmap threshold is fixed low (`bounded_heap`); a real step at
+    a batch no larger than the smallest real plain step's runs at the threshold a training process
+    settles at (`settled_heap`), and leaving it the bound is set again and the freed pages given back."""
+    libc = FakeLibc()
+    monkeypatch.setattr(host, "_LIBC", libc)
+    monkeypatch.setattr(host, "_BOUNDED", False)
+    fx = ZOO["mlp_blocks"]
+    g, real = guard(fx, 1 << 34)
+    threshold = lambda: [c[2] for c in libc.calls if c[0] == "mallopt"]  # noqa: E731
+    with g:
+        assert threshold() == [host.HEAP_MMAP_THRESHOLD]
+        g.measure(2)  # the first real step: the bound the others are predicted from
+        assert threshold()[1:] == [host.SETTLED_MMAP_THRESHOLD, host.HEAP_MMAP_THRESHOLD]
+        assert libc.calls[-1][0] == "trim"
+        del libc.calls[:]
+        g.measure(1)
+        g.time_step(1, repeats=1)
+        assert threshold() == [host.SETTLED_MMAP_THRESHOLD, host.HEAP_MMAP_THRESHOLD] * 2
+        del libc.calls[:]
+        g.measure(8)
+        g.time_step(2, repeats=1)  # above the smallest real plain step now (batch 1)
+        assert threshold() == []  # bounded: nothing changed
+    assert real.batches
+
+
 def test_headroom_is_positive_and_below_physical_memory():
     import psutil
 

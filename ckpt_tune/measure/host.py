@@ -76,6 +76,25 @@ def bounded_heap():
             libc.malloc_trim(0)
 
 
+@contextlib.contextmanager
+def settled_heap():
+    """Inside `bounded_heap`: glibc's threshold where a training process's settles, for real steps that
+    hold no more than the first real step (a batch-1 profile holds as much): their tensors below it come
+    from the heap, reused from one iteration to the next as in training, without a fresh mapping and its
+    page faults each. Leaving, the bound is set again and the freed pages are given back (malloc_trim),
+    so the larger steps after it add to what is live, not to what these left (docs/design.md §3)."""
+    libc = _libc()
+    if libc is None or not _BOUNDED:
+        yield
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, SETTLED_MMAP_THRESHOLD)
+    try:
+        yield
+    finally:
+        libc.mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
+        libc.malloc_trim(0)
+
+
 def _libc():
     """glibc's functions, or None where the C library is another (nothing to trim or bound)."""
     global _LIBC
@@ -175,7 +194,8 @@ class HostGuard:
         whole = not checkpoint and accum_steps == 1 and optimizer_step
         first = not self._peaks and whole and batch_size <= 2
         if first or self.fits(batch_size, accum_steps):
-            m = self.real.measure(batch_size, checkpoint, units, attribute, accum_steps, optimizer_step, cold)
+            with self.small_steps(batch_size):
+                m = self.real.measure(batch_size, checkpoint, units, attribute, accum_steps, optimizer_step, cold)
             release_freed()
             if whole:
                 self._peaks[batch_size] = (m.peak_bytes, m.static_bytes)
@@ -185,16 +205,24 @@ class HostGuard:
 
     def time_step(self, batch_size: int, checkpoint: Sequence = (), repeats: int = 3) -> Timing:
         if self.fits(batch_size):
-            t = self.real.time_step(batch_size, checkpoint, repeats)
+            with self.small_steps(batch_size):
+                t = self.real.time_step(batch_size, checkpoint, repeats)
             release_freed()
             return t
         small = self.largest_real()
-        t = self.real.time_step(small, checkpoint, repeats)
+        with self.small_steps(small):
+            t = self.real.time_step(small, checkpoint, repeats)
         scale = batch_size / small
         note = f"step times above batch {small} are scaled linearly from batch {small} (larger steps do not fit this machine)"
         if note not in self.notes:
             self.notes.append(note)
         return Timing(batch_size, t.checkpoint, t.step_ms * scale, {k: v * scale for k, v in t.forward_ms.items()}, t.unit)
+
+    def small_steps(self, batch_size: int) -> contextlib.AbstractContextManager:
+        """Real steps at `batch_size` under glibc's settled threshold (`settled_heap`) where the batch is
+        no larger than the smallest real plain step's (before any ran: 2, the batch `fits` starts at),
+        whose process size a profile at batch 1 or 2 has too; otherwise under the bound."""
+        return settled_heap() if batch_size <= min(self._peaks, default=2) else contextlib.nullcontext()
 
     # -- deciding ----------------------------------------------------------------------------------
     def predicted_peak(self, batch_size: int, accum_steps: int = 1) -> int:
@@ -213,7 +241,8 @@ class HostGuard:
             # nothing recorded yet: one real step at batch 2 (small enough for any machine that holds the
             # model) bounds the others
             b = min(batch_size, 2)
-            m = self.real.measure(b)
+            with self.small_steps(b):
+                m = self.real.measure(b)
             self._peaks[b] = (m.peak_bytes, m.static_bytes)
             self.real._warm = False  # the next step warms up at its own batch: steady state as asked
             if batch_size == b and accum_steps == 1:
