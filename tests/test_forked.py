@@ -1,6 +1,7 @@
 """fork_map (ckpt_tune/measure/forked.py): items taken from a queue by forked processes come back in
 order, a failure raises as a loop's would, a child that dies has its items run here, and the number of
-processes follows the cores, the items, the RAM and CKPT_TUNE_WORKERS."""
+processes follows the cores, the items, the RAM and CKPT_TUNE_WORKERS. fork_ahead: one call under way in
+a child while this process goes on, its value or None, and no child left behind."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from ckpt_tune.errors import CkptTuneError
 from ckpt_tune.measure import forked
-from ckpt_tune.measure.forked import WORKERS_ENV, fork_map, usable_workers
+from ckpt_tune.measure.forked import WORKERS_ENV, cores_left, fork_ahead, fork_map, usable_workers
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="fork is used on Linux only")
 
@@ -140,3 +141,52 @@ def test_a_runner_freezes_what_lives_when_it_starts_and_fork_map_leaves_it_froze
         assert gc.get_freeze_count() >= mine
     finally:
         gc.unfreeze()
+
+
+def _no_child_left() -> None:
+    with pytest.raises(ChildProcessError):
+        os.waitpid(-1, os.WNOHANG)
+
+
+def test_a_call_ahead_runs_in_a_child_while_this_process_goes_on():
+    t0 = time.perf_counter()
+    ahead = fork_ahead(lambda: (time.sleep(0.3), os.getpid())[1])
+    assert time.perf_counter() - t0 < 0.3  # not waited for
+    pid = ahead.result()
+    assert pid not in (None, PARENT)
+    assert ahead.result() is None  # taken once
+    _no_child_left()
+
+
+def test_a_call_ahead_that_raises_or_dies_gives_none():
+    def raises():
+        raise ValueError("no")
+
+    assert fork_ahead(raises).result() is None
+    assert fork_ahead(lambda: os._exit(0)).result() is None  # exited without an answer
+    _no_child_left()
+
+
+def test_a_call_ahead_closed_unread_leaves_no_child_and_a_forked_copy_does_not_take_it():
+    ahead = fork_ahead(lambda: time.sleep(30))
+    # a forked copy of this process holds the same handle: it is not its child, and it neither reads nor ends it
+
+    def copy_reads(_x):
+        if os.getpid() == PARENT:
+            time.sleep(0.2)  # the forked copy takes the other item
+            return "here"
+        ahead.close()
+        return ahead.result()
+
+    assert sorted(fork_map(copy_reads, [0, 1], 2), key=str) == [None, "here"]
+    t0 = time.perf_counter()
+    ahead.close()
+    assert time.perf_counter() - t0 < 5
+    assert ahead.result() is None
+    _no_child_left()
+
+
+def test_cores_left_count_whole_cores_beside_a_steps_threads():
+    cores = len(os.sched_getaffinity(0))
+    assert 0 <= cores_left(1) <= cores - 1
+    assert cores_left(cores) == 0

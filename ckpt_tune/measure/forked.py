@@ -9,7 +9,9 @@ numbers per block), pickled through a pipe, and exits. Results come back in item
 gets the same terms, to the byte, on one core or on many (docs/design.md §3).
 
 Only fake steps are shared out: a real step's allocations and timings would compete with the others'
-for the host's RAM and cores. A child that dies (killed, crashed) costs nothing but time: the items it
+for the host's RAM and cores. `fork_ahead` runs one call in a child while this process goes on (the op
+policies' timing beside the ordering step, where this process runs one torch thread, as a child does;
+`cores_left` counts the whole cores a step's threads leave free). A child that dies (killed, crashed) costs nothing but time: the items it
 took are run here after all. `usable_workers` counts one process per core this one may run on, no more
 than the items and than the RAM available holds copies of this process; `CKPT_TUNE_WORKERS=N` sets N
 (1: everything in this process). Fork is used on Linux only.
@@ -17,6 +19,7 @@ than the items and than the RAM available holds copies of this process; `CKPT_TU
 
 from __future__ import annotations
 
+import array
 import contextlib
 import gc
 import os
@@ -55,6 +58,20 @@ def usable_workers(items: int, process_bytes: int) -> int:
         want = len(os.sched_getaffinity(0))
     room = int(host_headroom() * SAFETY) // max(process_bytes, 1)
     return max(1, min(want, items, 1 + room))
+
+
+def cores_left(threads: int) -> int:
+    """Cores this process may run on that a step on `threads` threads leaves free: whole cores, so that
+    nothing runs on a hardware thread beside one of the step's (the two share the core). 0 where unknown."""
+    if sys.platform != "linux" or not hasattr(os, "sched_getaffinity"):
+        return 0
+    try:
+        import psutil
+
+        per_core = max(1, (psutil.cpu_count() or 1) // max(psutil.cpu_count(logical=False) or 1, 1))
+    except ImportError:  # pragma: no cover - psutil is a dependency
+        per_core = 1
+    return max(len(os.sched_getaffinity(0)) // per_core - threads, 0)
 
 
 def resident_bytes() -> int:
@@ -106,10 +123,20 @@ def _run(fn, items, ks, results) -> bool:
     return True
 
 
-def _queued(queue: int) -> Iterator[int]:
-    """The queue's item numbers, each taken when asked for."""
-    while (k := _take(queue)) is not None:
+def _queued(queue: int, leave: int = 0) -> Iterator[int]:
+    """The queue's item numbers, each taken when asked for, while more than `leave` are left."""
+    while (not leave or _left(queue) > leave) and (k := _take(queue)) is not None:
         yield k
+
+
+def _left(queue: int) -> int:
+    """Item numbers not yet taken from the queue (the bytes unread in its pipe, 4 each)."""
+    import fcntl
+    import termios
+
+    unread = array.array("i", [0])
+    fcntl.ioctl(queue, termios.FIONREAD, unread)
+    return unread[0] // 4
 
 
 def _child(fn: Callable[[T], R], items: Sequence[T], queue: int, write_fd: int) -> None:
@@ -117,13 +144,7 @@ def _child(fn: Callable[[T], R], items: Sequence[T], queue: int, write_fd: int) 
     portable), exit."""
     code = 0
     try:
-        # nothing of the parent's output (a spinner's thread may hold its lock): a child is silent
-        sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the process ends below
-        # OpenMP's thread team does not survive a fork: a kernel that runs in parallel here would wait
-        # on threads the child does not have (after the parent ran real CPU steps). One thread runs inline
-        torch = sys.modules.get("torch")
-        if torch is not None:
-            torch.set_num_threads(1)
+        _quiet_child()
         results: dict[int, tuple[str, Any]] = {}
         _run(fn, items, _queued(queue), results)
         for k, (kind, value) in results.items():
@@ -135,6 +156,38 @@ def _child(fn: Callable[[T], R], items: Sequence[T], queue: int, write_fd: int) 
         code = 1
     finally:
         os._exit(code)
+
+
+def _quiet_child() -> None:
+    """A forked child's set-up: nothing of the parent's output (a spinner's thread may hold its lock), and
+    one torch thread. OpenMP's thread team does not survive a fork: a kernel that runs in parallel here
+    would wait on threads the child does not have (after the parent ran real CPU steps)."""
+    sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the process ends with os._exit
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
+
+
+def _fork() -> int:
+    """os.fork, the streams flushed first. The collector leaves the inherited objects alone in the child:
+    fewer pages copied (no collection first: 0.2 s per call in a 7B search; garbage inherited is only
+    dropped with the short-lived child). Objects a caller froze (runner.StepRunner) stay frozen after."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    frozen = gc.get_freeze_count() > 0
+    gc.freeze()
+    pid = -1
+    try:
+        with warnings.catch_warnings():
+            # Python 3.12+ warns of fork in a process with threads (a progress spinner's): the child
+            # takes none of their locks (it writes nothing to the parent's streams)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        return pid
+    finally:
+        if pid != 0 and not frozen:  # the child keeps them frozen
+            gc.unfreeze()
 
 
 def queue_order(n: int, costs: Sequence[float] | None = None) -> list[int]:
@@ -150,11 +203,12 @@ def fork_map(
     workers: int,
     costs: Sequence[float] | None = None,
     here: Sequence[int] = (),
+    leave: int = 0,
 ) -> list[R]:
     """[fn(x) for x in items], in `workers` processes (this one and forked children): each takes the
     next item from a shared queue whenever it is free, in `queue_order` (given `costs`, each item's
     expected time in any unit: the longest first). The items numbered in `here` are not queued: this
-    process runs them first.
+    process runs them first, then takes queued ones only while more than `leave` are left.
 
     The first item that raises, in item order, raises here, as it would in a loop (items after it may
     have run). An item that no process ran (its child died, or every process stopped at a failure
@@ -170,35 +224,19 @@ def fork_map(
     finally:
         os.close(w)  # read to its end, the queue reads as empty
     children: list[tuple[int, int]] = []  # (pid, read fd)
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    # the collector leaves the inherited objects alone in the children: fewer pages copied. No collection
-    # first (0.2 s per call in a 7B search): garbage inherited is only dropped with the short-lived child.
-    # Objects a caller froze (runner.StepRunner) stay frozen after
-    frozen = gc.get_freeze_count() > 0
-    gc.freeze()
-    try:
-        for _ in range(workers - 1):
-            r, w = os.pipe()
-            with warnings.catch_warnings():
-                # Python 3.12+ warns of fork in a process with threads (a progress spinner's): the
-                # child takes none of their locks (it writes nothing to the parent's streams)
-                warnings.simplefilter("ignore", DeprecationWarning)
-                pid = os.fork()
-            if pid == 0:  # pragma: no cover - the child's coverage is not collected
-                os.close(r)
-                _child(fn, items, queue, w)
-            os.close(w)
-            children.append((pid, r))
-    finally:
-        if not frozen:
-            gc.unfreeze()
+    for _ in range(workers - 1):
+        r, w = os.pipe()
+        pid = _fork()
+        if pid == 0:  # pragma: no cover - the child's coverage is not collected
+            os.close(r)
+            _child(fn, items, queue, w)
+        os.close(w)
+        children.append((pid, r))
     results: dict[int, tuple[str, Any]] = {}
     unread, unreaped = {r for _p, r in children}, {p for p, _r in children}
     try:
         if _run(fn, items, here, results):
-            _run(fn, items, _queued(queue), results)
+            _run(fn, items, _queued(queue, leave), results)
         for pid, r in children:
             try:
                 with os.fdopen(r, "rb") as f:
@@ -231,3 +269,61 @@ def fork_map(
             raise exc
         out.append(value)
     return out
+
+
+class Ahead:
+    """`fn()` under way in a forked child (`fork_ahead`). `result()` waits for its value: None where the
+    child failed or died (the caller then runs `fn` itself). `close()` ends a child whose value is not
+    wanted. Either reaps it."""
+
+    def __init__(self, pid: int, fd: int) -> None:
+        self._pid, self._fd, self._parent = pid, fd, os.getpid()
+
+    def result(self) -> Any:
+        if self._pid is None or os.getpid() != self._parent:  # a forked copy of the parent: not its child
+            return None
+        try:
+            with os.fdopen(self._fd, "rb") as f:
+                data = f.read()
+            _pid, status = os.waitpid(self._pid, 0)
+        finally:
+            self._pid = None
+        if not data or status != 0:
+            return None
+        try:
+            return pickle.loads(data)
+        except Exception:
+            return None
+
+    def close(self) -> None:
+        if self._pid is None or os.getpid() != self._parent:
+            return
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+        with contextlib.suppress(OSError):
+            os.kill(self._pid, 9)
+            os.waitpid(self._pid, 0)
+        self._pid = None
+
+
+def fork_ahead(fn: Callable[[], R]) -> Ahead | None:
+    """`fn()` started in a forked child, while this process goes on; None where there is no fork. The child
+    runs one torch thread, as `fork_map`'s do, writes nothing to this process's streams, and sends back
+    only what `fn` returns, pickled; an exception in it is a None result."""
+    if sys.platform != "linux" or not hasattr(os, "fork"):
+        return None
+    r, w = os.pipe()
+    pid = _fork()
+    if pid == 0:  # pragma: no cover - the child's coverage is not collected
+        os.close(r)
+        code = 1
+        try:
+            _quiet_child()
+            value = fn()
+            with os.fdopen(w, "wb") as out:
+                out.write(pickle.dumps(value))
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    return Ahead(pid, r)
