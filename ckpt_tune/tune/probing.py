@@ -41,6 +41,10 @@ from ckpt_tune.tune.search_state import SearchState
 
 # Shortened probes recorded alongside the ordering step whatever its length; more while it runs.
 EARLY_PROBES = 2
+# A process's first fake step at a batch costs about this many later ones (the fake mode works out each
+# op's outputs once per shape): after a real step of its own beside the probes, this process takes
+# queued probes only while more than this many per forked process are left.
+FIRST_FAKE_STEPS = 3
 
 
 class OptionFailed(Exception):
@@ -53,6 +57,10 @@ class OptionFailed(Exception):
 
 class ProbeSteps(SearchState):
     """Probe steps on the shortened chain and their share-outs, for `Searcher` (see the module docstring)."""
+
+    def _leave(self, workers: int) -> int:
+        """Queued probes this process leaves to the forked ones after its real step (`fork_map`'s `leave`)."""
+        return FIRST_FAKE_STEPS * (workers - 1)
 
     def _early_repeat(self) -> Repeat | None:
         """The run of identical blocks of the chain as the model declares it (find_blocks' order), when
@@ -214,7 +222,7 @@ class ProbeSteps(SearchState):
             return self._record_short(b, choice, label, (items.index(item) + 1, len(items)), workers)
 
         here = [k for k, (kind, _w) in enumerate(items) if kind == "verify"] if real else []
-        got = dict(zip(items, fork_map(run, items, workers, costs, here), strict=True))
+        got = dict(zip(items, fork_map(run, items, workers, costs, here, self._leave(workers) if here else 0), strict=True))
         for (kind, what), res in sorted(got.items(), key=lambda kv: kv[0][0] != "short" or any(kv[0][1][2])):
             if kind == "time":
                 self._costs[what] = res[0]
@@ -258,10 +266,13 @@ class ProbeSteps(SearchState):
         """The peak of `plan` (batch, names, choice) verified beside the probes at its batch: on the device
         where the probes are fake (in this process, `fork_map`'s `here`). None when it failed: a guess
         of ours, dropped; the search verifies the plan it then chooses, and tells a failure there."""
-        b, names, _choice = plan
+        b, names, choice = plan
         self._say(f"verifying batch {b} with {len(names)} checkpoints, while the probes at that batch run")
         try:
-            return self._measure_plan(b, names, self.real).peak_bytes
+            m = self._measure_plan(b, names, self.real)
+            if segments_of(choice):  # its segments' terms are learned from this run (`verify`)
+                self._beside_runs[(b, choice)] = m
+            return m.peak_bytes
         except Exception:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -274,14 +285,15 @@ class ProbeSteps(SearchState):
 
     def _likely_plan(self, b: int, budget: int) -> tuple | None:
         """(b, names, choice) of the plan the fitted terms choose at b, when its verification can be
-        shared out with the probes there: b not yet probed, an iteration of one batch, a measured step
-        (not divided by arithmetic), and no segment (whose terms a verification would teach). With probes
-        under fake tensors, a real step: its predicted peak is within the budget, on the fitted terms."""
+        shared out with the probes there: b not yet probed, an iteration of one batch, and a measured
+        step (not divided by arithmetic). A plan with segments is verified with them: the search learns
+        their terms from that run (`verify`) as from one after the probes. With probes under fake
+        tensors, a real step: its predicted peak is within the budget, on the fitted terms."""
         if b in self.probed or b in (self.b1, self.b2) or self.accum_steps != 1 or self.sharding == "arithmetic":
             return None
         t = self.fitted(b, self.b1, self.b2)
         sol = solve(t, self.costs(self.b1), budget)
-        if sol is None or segments_of(sol.choice):
+        if sol is None:
             return None
         return b, tuple(sol.names(t)), sol.choice
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from ckpt_tune.errors import CkptTuneError, NoFitError
-from ckpt_tune.measure.forked import resident_bytes, usable_workers
+from ckpt_tune.measure.forked import Ahead, cores_left, resident_bytes, usable_workers
 from ckpt_tune.measure.runner import Measurement, StepRunner
 from ckpt_tune.measure.sharded import ShardedRunner
 from ckpt_tune.measure.tensors import unique_bytes
@@ -68,6 +68,8 @@ class SearchState:
         self.real_peaks: list[int] = []  # peaks of the real recorded steps, when probes are fake
         self.real_timed = 0  # real steps run to time the step (warm-up included), when probes are fake
         self._real_timing: Timing | None = None  # the one real timing the costs scale from, then
+        self._timed_beside: Timing | None = None  # a real timing run beside probes, at the batch guessed
+        self._ahead: Ahead | None = None  # op policies being timed in a forked process (step_costs.py)
         # the kinds of choice the planner may use (plan/kinds/); None: every recompute kind
         self.candidates = frozenset(RECOMPUTE if candidates is None else candidates)
         self.kinds = [k for name, k in KINDS.items() if name in self.candidates]
@@ -130,6 +132,8 @@ class SearchState:
         self._dropped: set[str] = set()  # finer options whose probe step failed (never offered again)
         # (batch, choice) -> the peak of a plan verified alongside the probes at that batch (prefetch)
         self.speculated: dict[tuple[int, tuple[int, ...]], int] = {}
+        # the same plans' runs, which a verification of a plan with segments learns their terms from
+        self._beside_runs: dict[tuple[int, tuple[int, ...]], Measurement] = {}
         # (batch, names, choice): a plan to verify beside the full-depth probes at its batch (prefetch)
         self._beside: tuple | None = None
         # (batch, choice) -> its predicted peak when it was first run (the prediction before verification)
@@ -182,6 +186,13 @@ class SearchState:
         one, unless the steps are fake (order_units decides)."""
         return usable_workers(items, resident_bytes()) if self._forks and items else 1
 
+    def _workers_beside(self, items: int) -> int:
+        """Processes for `items` fake probes while this one times a real step (2 or more, else nothing
+        runs beside it): the forked ones only on the cores the timing leaves free, its torch threads on
+        a CPU (one to drive a GPU), so that they do not slow the step timed (docs/design.md §3)."""
+        threads = 1 if self.real.device.type == "cuda" else torch.get_num_threads()
+        return min(self._workers(items + 1), cores_left(threads) + 1)
+
     def refinement(self, what: str, where: str, run: Callable, instead):
         """`run()`, a refinement ckpt-tune adds to the user's step (docs/design.md §8): when it raises,
         a note names it, where and the error's first line, and `instead` is used (the search goes on)."""
@@ -213,6 +224,7 @@ class SearchState:
         self.short_cuts.clear()
         self._costs.clear()
         self.speculated.clear()
+        self._beside_runs.clear()
         self._beside = None
         self._first_predicted.clear()
         self._version += 1
@@ -254,6 +266,19 @@ class SearchState:
     # -- what one part asks of another ------------------------------------------------------
     def _set_options(self, batch_size: int) -> None:
         """The options of every block (ordering.py)."""
+        raise NotImplementedError
+
+    def policies_ahead(self, batch_size: int) -> None:
+        """Op policies timed in a forked process while the ordering step runs (step_costs.py)."""
+        raise NotImplementedError
+
+    def _early_repeat(self) -> Repeat | None:
+        """The run of identical blocks probed beside the ordering step (probing.py)."""
+        raise NotImplementedError
+
+    def _timing_guess(self) -> int | None:
+        """The batch the real timing will run at, guessed before the second small batch is probed
+        (step_costs.py)."""
         raise NotImplementedError
 
     def costs(self, batch_size: int) -> tuple[tuple[float, ...], ...]:

@@ -89,7 +89,7 @@ class Searcher(Ordering, StepCosts, TermStore, EveryBlockFloor, Verdicts):
             res = self._search(budget, batch_size, b1, b2)
             # under fake tensors only where the floor is a configuration the chain does not hold (each
             # of its steps is recorded, and a chain of the innermost blocks has it already)
-            floor = not self.real.fake or self.floor_may_differ()
+            floor = not self.runner.fake or self.floor_may_differ()
             if batch_size is None and self.world_size == 1 and self.accum_steps == 1 and floor:
                 res = self.refinement("the every-block floor", "the plan", lambda: self._floor(res, budget), res)
                 res.notes.extend(n for n in self.notes if n not in res.notes)  # a note of its dropping
@@ -113,7 +113,13 @@ class Searcher(Ordering, StepCosts, TermStore, EveryBlockFloor, Verdicts):
         lazily built buffer) is made of real tensors, as in training."""
         if not self.plain_ran and self.real is not self.runner:
             self._real_plain(batch_size)
-        self.order_units(batch_size)
+            self.policies_ahead(batch_size)
+        try:
+            self.order_units(batch_size)
+        finally:
+            if self._ahead is not None:  # not asked for (the ordering offered no op policy, or failed)
+                self._ahead.close()
+                self._ahead = None
 
     def _real_plain(self, batch_size: int) -> None:
         """Probes under fake tensors: the user's step run for real once, at the first small batch, as it
@@ -183,7 +189,7 @@ class Searcher(Ordering, StepCosts, TermStore, EveryBlockFloor, Verdicts):
             rerun = sol.choice in verified  # solved again after its own run, on terms learned from it
             if not rerun:
                 self._first_predicted.setdefault((b, sol.choice), sol.peak)
-            if sol.choice not in verified and (b, sol.choice) in self.speculated and self.accum_steps == 1:
+            if sol.choice not in verified and (b, sol.choice) in self.speculated and self.accum_steps == 1 and not segments_of(sol.choice):
                 verified[sol.choice] = self.speculated[(b, sol.choice)]  # verified alongside the probes at b
             if sol.choice not in verified:
                 segs = segments_of(sol.choice)

@@ -9,10 +9,13 @@ that fits the budget and scaled linearly in the batch.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import torch
 
+from ckpt_tune.measure.forked import cores_left, fork_ahead, resident_bytes, usable_workers
+from ckpt_tune.measure.host import HostGuard
 from ckpt_tune.measure.op_costs import policy_ratios, recompute_shares
 from ckpt_tune.measure.timing import Timing
 from ckpt_tune.plan.entry import POLICIES
@@ -30,6 +33,10 @@ WORTH_A_POLICY = 0.9
 # With probes under fake tensors, a step runs for real only where the recorded terms put its peak this
 # fraction under the budget (fake and real steps differ by tens of bytes; a margin for what they miss).
 REAL_ROOM = 0.02
+# A step timed beside the probes, at a batch guessed before they ended, is taken where its batch is at least
+# this fraction of the batch the probes then choose: the part of a step that does not grow with the batch
+# (the optimizer step, launches) is shared over a few fewer samples, and the times are scaled from it.
+CLOSE_BATCH = 0.85
 
 
 class StepCosts(SearchState):
@@ -57,7 +64,11 @@ class StepCosts(SearchState):
             # step fits (the first otherwise): a policy torch refuses is left out before any step is
             # recorded with it
             at = self._policy_batch(batch_size)
-            self._ratios, refused = policy_ratios(self.real, at, self.units, useful)
+            got = self._ratios_ahead(at, useful)
+            if got is None:
+                with self._small_steps(at):
+                    got = policy_ratios(self.real, at, self.units, useful)
+            self._ratios, refused = got
             for p, why in refused.items():
                 self.notes.append(f"op policy {p} left out: torch refused it on this model ({why})")
             useful = [p for p in useful if p not in refused]
@@ -69,6 +80,45 @@ class StepCosts(SearchState):
                 self.notes.append(f"op policy {p} left out: its recompute costs {worst:.2f}x checkpointing the whole block {where}")
         useful = [p for p in useful if dear[p] <= WORTH_A_POLICY]
         return [p for p in useful if MARK + p not in self._dropped]
+
+    def _small_steps(self, batch_size: int) -> contextlib.AbstractContextManager:
+        return self.real.small_steps(batch_size) if isinstance(self.real, HostGuard) else contextlib.nullcontext()
+
+    def policies_ahead(self, batch_size: int) -> None:
+        """With probes under fake tensors on a CPU that runs one torch thread: the op policies timed as
+        `useful_policies` times them, every policy on the candidate blocks, in a forked process on a core
+        of its own, while this one records the ordering step under fake tensors. A forked process runs
+        one thread (measure/forked.py): its times are this process's only where this one runs one too.
+        Taken where the ordering kept every candidate (`_ratios_ahead`)."""
+        if (
+            self.real is self.runner
+            or self.real.device.type != "cpu"
+            or torch.get_num_threads() != 1
+            or not any(k.timed for k in self.kinds)
+            or self._by_calls
+            or not self.units
+            or usable_workers(2, resident_bytes()) < 2
+            or cores_left(1) < 1
+            or self._early_repeat() is not None  # a forked process records probes beside the ordering step
+        ):
+            return
+        at, units = self._policy_batch(batch_size), self.units
+
+        def job():
+            with self._small_steps(at):
+                return at, units, policy_ratios(self.real, at, units, POLICIES)
+
+        self._ahead = fork_ahead(job)
+
+    def _ratios_ahead(self, at: int, useful: list[str]) -> tuple[dict, dict] | None:
+        """The ratios timed ahead (`policies_ahead`) of these policies, where they were timed at this batch
+        on these blocks; None otherwise (or where the forked process failed): they are timed here."""
+        ahead, self._ahead = self._ahead, None
+        got = ahead.result() if ahead is not None else None
+        if got is None or got[0] != at or set(got[1]) != set(self.units):
+            return None
+        ratios, refused = got[2]
+        return {k: v for k, v in ratios.items() if k[1] in useful}, {p: why for p, why in refused.items() if p in useful}
 
     def _policy_batch(self, batch_size: int) -> int:
         """The batch op policies are timed at: the second small batch, unless the plain step there is
@@ -144,6 +194,31 @@ class StepCosts(SearchState):
         )
         return costs, scale * t.step_ms
 
+    def _timing_guess(self) -> int | None:
+        """The batch `_time_within_budget` times at, guessed from the user's real step before the second
+        small batch is probed, so that the timing runs beside its probes: the largest batch whose plain
+        step the line from the states through that step puts REAL_ROOM under the budget (the gradients
+        counted with the activations: above the fitted line, so a guess no larger, and a step within the
+        budget). The timing is taken where the fitted terms then choose a batch at most 1/CLOSE_BATCH
+        times as large. None: no real step to draw the line from."""
+        if self._real_timing is not None or self._timed_beside is not None or self.real is self.runner:
+            return None
+        if not self.budget or not self.real_peaks:
+            return None
+        static = sum(self.real.state_bytes()[:2])
+        per_sample = max(self.real_peaks[0] - static, 1) / self.b1
+        at = int((self.budget * (1 - REAL_ROOM) - static) // per_sample)
+        return at if at >= self.b1 else None
+
+    def _time_beside(self, batch_size: int) -> None:
+        """The real timing at the guessed batch, run beside the probes (`_full_terms`); one that fails
+        is dropped: the timing runs again where the costs ask for it, and fails there as the search's."""
+        self._say(f"timing the step at batch {batch_size} on the device, while the probes run")
+        try:
+            self._timed_beside = self._time_real(batch_size, repeats=3)
+        except Exception:
+            self._timed_beside = None
+
     def _time_within_budget(self, batch_size: int) -> tuple[Timing, float]:
         """(timing, scale) for `batch_size` when probes are fake: one real step timed, at the largest batch
         whose plain step the terms of the small batches put REAL_ROOM under the budget (every block
@@ -159,13 +234,15 @@ class StepCosts(SearchState):
             at = largest(plain_fits, self.b1)
             checkpoint = [] if at else list(self.units)
             at = at or self.b1
-            self._say(f"timing the step at batch {at} on the device" + (", every block checkpointed" if checkpoint else ""))
-            t = self._time_real(at, checkpoint=checkpoint, repeats=3)
+            t = self._timed_beside
+            if t is None or checkpoint or not CLOSE_BATCH * at <= t.batch_size <= at:  # none beside, or far below
+                self._say(f"timing the step at batch {at} on the device" + (", every block checkpointed" if checkpoint else ""))
+                t = self._time_real(at, checkpoint=checkpoint, repeats=3)
             # checkpointed, the blocks' forwards ran twice: the plain step's time runs them once
             again = sum(t.forward_ms.get(u, 0.0) for u in checkpoint)
             self._real_timing = replace(t, step_ms=max(t.step_ms - again, 1e-9))
             self.notes.append(
-                f"step times measured on the device at batch {at}{' with every block checkpointed' if checkpoint else ''}"
+                f"step times measured on the device at batch {t.batch_size}{' with every block checkpointed' if checkpoint else ''}"
                 " and scaled linearly to other batches (the probes ran under fake tensors)"
             )
         return self._real_timing, batch_size / self._real_timing.batch_size

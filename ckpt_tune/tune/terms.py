@@ -90,26 +90,35 @@ class TermStore(ProbeSteps):
         # the plan prefetch expects at this batch, verified in the same share-out (probing.py `_verify_beside`)
         beside, self._beside = self._beside, None
         plan = beside if beside is not None and beside[0] == batch_size and (beside[0], beside[2]) not in self.speculated else None
-        items = [*todo, plan] if plan is not None else todo
-        workers = self._workers(len(items))
+        workers = self._workers(len(todo) + (plan is not None))
+        # else the step's real timing, beside the second small batch's probes, on cores they leave free
+        at = self._timing_guess() if batch_size == self.b2 and plan is None and todo else None
+        timed = ("time", at) if at is not None and self._workers_beside(len(todo)) > 1 else None
+        if timed is not None:
+            workers = self._workers_beside(len(todo))
+        items = [*todo, *(x for x in (plan, timed) if x is not None)]
         # only the no-checkpointing probe records the optimizer step; the others take its moments
         # (memory_model.with_step_of), as the shortened probes do
         borrow = self._kind == 1 and self._plain
 
         def run(t):
+            if t is timed:
+                return self._time_beside(at)
             if t is plan:
                 return self._verify_beside(plan)
             return self._record_full(batch_size, *t, n, workers, not (borrow and any(t[2])))
 
         # a real verification runs in this process (forked ones record only fake steps), first
-        here = [len(todo)] if plan is not None and self.real is not self.runner else []
+        here = [len(todo)] if (plan is not None or timed is not None) and self.real is not self.runner else []
         try:
-            got = fork_map(run, items, workers, here=here)
+            got = fork_map(run, items, workers, here=here, leave=self._leave(workers) if here else 0)
         except torch.OutOfMemoryError:
             if batch_size in (self.b1, self.b2):
                 raise
             return None  # the failed step's tensors are gone with the exception
-        if plan is not None:
+        if timed is not None:
+            got.pop()
+        elif plan is not None:
             self._speculated(plan, got.pop())
         cuts, static = [], 0
         if reuse:  # order_units recorded the no-checkpointing step at this batch
@@ -205,13 +214,14 @@ class TermStore(ProbeSteps):
 
     def verify(self, batch_size: int, names: tuple, choice: tuple[int, ...] = ()) -> int:
         n_seg = len(segments_of(choice))
-        self.progress(
-            f"verifying batch {batch_size} with {len(names)} checkpoints" + (f" ({n_seg} segments)" if n_seg else "")
-        )
         self._at = batch_size
-        with self._stage("verify"):
-            m = self._measure_plan(batch_size, names, self.real)
-        self.runs += 1
+        # run beside the probes (counted there), of one batch per iteration
+        m = self._beside_runs.pop((batch_size, choice), None) if self.accum_steps == 1 else None
+        if m is None:
+            self.progress(f"verifying batch {batch_size} with {len(names)} checkpoints" + (f" ({n_seg} segments)" if n_seg else ""))
+            with self._stage("verify"):
+                m = self._measure_plan(batch_size, names, self.real)
+            self.runs += 1
         if batch_size in self.probed:
             self.learn_segments(batch_size, choice, m)
         if self.sharding != "arithmetic":

@@ -174,6 +174,8 @@ class Kind:
         groups: whole-module choices: option 1, and the groups of blocks that hold runs of them.
         runs: runs of consecutive blocks under one checkpoint (segments).
         inside: modules inside a block, a module a block runs several times among them.
+        timed: its options are priced from block runs timed on the device (op policies: the search may
+            time them ahead, beside the ordering step).
     """
 
     name: str
@@ -182,6 +184,7 @@ class Kind:
     groups = False
     runs = False
     inside = False
+    timed = False
 
     @property
     def recompute(self) -> bool:

@@ -62,6 +62,7 @@ ENTRY = SelectiveEntry()
 
 class Ops(Kind):
     name, entry = "ops", ENTRY
+    timed = True
     help = "op-level policies of a block: keep matmul outputs, recompute the rest"
 
     def offer(self, search, batch_size):
