@@ -334,7 +334,8 @@ def main() -> None:
     parts = [
         f"{args.threads} torch thread(s){' (--quick)' if args.quick else ''}. "
         "ckpt-tune: `api.search` end to end, as it runs on CPU: its probes are recorded under fake tensors with the CPU "
-        "allocator's rules (shared out over forked processes), its step times and its verification are real steps. "
+        "allocator's rules (shared out over forked processes), its step times and its verification are real steps "
+        "(with one torch thread, run beside the fake steps on the core they leave free). "
         "Lightning finders: "
         f"init_val {INIT_VAL}, steps_per_trial {STEPS_PER_TRIAL}, max_trials {MAX_TRIALS}; a trial OOMs when the harness-measured "
         "peak exceeds the budget. **Charging rule**: a trial that fits is charged its three plain training steps; a trial "
