@@ -8,6 +8,7 @@ the independent harness (tests/harness.py) and against real steps of the same co
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -23,7 +24,9 @@ from ckpt_tune.measure.runner import StepRunner, StepSettings
 from ckpt_tune.measure.session import build_runner, fake_twin, load, profile
 from ckpt_tune.tune import step_costs
 from ckpt_tune.tune.candidates import find_blocks
+from ckpt_tune.tune.memory_model import segments_of
 from ckpt_tune.tune.probing import ProbeSteps
+from ckpt_tune.tune.terms import TermStore
 from tests import harness
 from tests.test_examples import load_example
 
@@ -277,28 +280,65 @@ def test_with_one_torch_thread_real_timings_run_beside_the_fake_steps_on_cores_t
     assert res.verified_peak == harness.measured_peak(ex.build, ex.make_batch, ex.loss_fn, res.batch_size, checkpoint=res.checkpoint)
 
 
-def test_a_plan_with_segments_verified_beside_the_probes_is_not_run_again(monkeypatch) -> None:
-    """The plan the small batches' terms choose at the first batch beyond them is verified beside the
-    probes there, segments and all (probing.py `_likely_plan`); the search learns their terms from that
-    run (`verify`) instead of running it again: no plan runs for real twice at one batch."""
+def test_a_plan_on_estimated_segment_terms_is_recorded_under_fake_tensors_before_it_runs_for_real(monkeypatch) -> None:
+    """A segment's terms, before any run of it, are estimated, and an estimate can be low: on
+    examples/unet.py at 160 MiB a plan solved on them peaked at 1.06x the budget when it ran for real.
+    With probes under fake tensors such a plan is recorded under fake tensors first and solved again on
+    what that run measured (`learn_under_fake`); it is not verified beside the probes either: every real
+    step of a plan with segments is of a plan solved on measured terms, and within the budget."""
     monkeypatch.setenv(WORKERS_ENV, "2")
-    beside, real_runs = [], []
-    verify, measure = ProbeSteps._verify_beside, StepRunner.measure
+    real_peaks, learned, unmeasured = [], [], []
+    measure, verify, learn = StepRunner.measure, TermStore.verify, TermStore.learn_under_fake
 
-    def seen(self, plan):
-        beside.append(plan)
-        return verify(self, plan)
-
-    def counted(self, batch_size, checkpoint=(), *a, **k):
+    def counted(self, *a, **k):
+        m = measure(self, *a, **k)
         if not self.fake:
-            real_runs.append((batch_size, tuple(str(e) for e in checkpoint)))
-        return measure(self, batch_size, checkpoint, *a, **k)
+            real_peaks.append(m.peak_bytes)
+        return m
 
-    monkeypatch.setattr(ProbeSteps, "_verify_beside", seen)
+    def checked(self, b, names, choice=()):
+        t = self.terms(b)
+        unmeasured.extend((b, s) for s in segments_of(choice) if self._prev_of(choice, s[0]) not in t.segments[s].measured)
+        return verify(self, b, names, choice)
+
+    def seen(self, b, names, choice):
+        learned.append((b, choice))
+        return learn(self, b, names, choice)
+
     monkeypatch.setattr(StepRunner, "measure", counted)
+    monkeypatch.setattr(TermStore, "verify", checked)
+    monkeypatch.setattr(TermStore, "learn_under_fake", seen)
+    res = search("examples/unet.py:build", vram="160MiB", settings=Settings(device="cpu")).result
+    assert learned, "the search chose no plan with estimated segments: this test checks nothing"
+    assert not unmeasured, unmeasured
+    assert real_peaks
+    assert max(real_peaks) <= BUDGET, real_peaks
+    assert res.largest_real_peak <= BUDGET
+
+
+def test_where_real_steps_hold_more_than_the_fake_probes_saw_the_search_does_not_walk_down_past_the_budget(monkeypatch) -> None:
+    """A real step can allocate what fake tensors do not see (a CPU kernel's workspace at larger
+    batches: torchvision's ResNet-18 held 38.9 MiB above its fake-probed prediction at batch 46). The
+    first verification that shows it sets the gap (`real_gap`), and the batches below are planned with
+    that much less room (`_below`): not one real verification past the budget per batch on the way down.
+    Simulated here: every real step of examples/gpt.py at batch 3 or more holds 24 MiB more."""
+    hidden = 24 * 2**20
+    real_peaks = []
+    measure = StepRunner.measure
+
+    def heavier(self, batch_size, *a, **k):
+        m = measure(self, batch_size, *a, **k)
+        if not self.fake and batch_size >= 3:
+            m = dataclasses.replace(m, peak_bytes=m.peak_bytes + hidden)
+        if not self.fake:
+            real_peaks.append(m.peak_bytes)
+        return m
+
+    monkeypatch.setattr(StepRunner, "measure", heavier)
     res = search(GPT, vram="160MiB", settings=Settings(device="cpu")).result
-    assert len(beside) == 1, beside
-    assert len(set(real_runs)) == len(real_runs), real_runs
     assert res.verified_peak <= BUDGET
-    ex = load_example("gpt")
-    assert res.verified_peak == harness.measured_peak(ex.build, ex.make_batch, ex.loss_fn, res.batch_size, checkpoint=res.checkpoint)
+    over = [p for p in real_peaks if p > BUDGET]
+    assert len(over) <= 2, real_peaks  # the first verification that finds the gap (and one beside the probes)
+    assert any(n.startswith("a real step held up to") for n in res.notes), res.notes
+    # the batch the walk down one at a time reaches, after one verification past the budget, not five
+    assert res.batch_size == 14

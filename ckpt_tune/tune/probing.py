@@ -286,14 +286,16 @@ class ProbeSteps(SearchState):
     def _likely_plan(self, b: int, budget: int) -> tuple | None:
         """(b, names, choice) of the plan the fitted terms choose at b, when its verification can be
         shared out with the probes there: b not yet probed, an iteration of one batch, and a measured
-        step (not divided by arithmetic). A plan with segments is verified with them: the search learns
-        their terms from that run (`verify`) as from one after the probes. With probes under fake
-        tensors, a real step: its predicted peak is within the budget, on the fitted terms."""
+        step (not divided by arithmetic). A plan with segments is verified with them where the probes
+        are real: the search learns their terms from that run (`verify`) as from one after the probes.
+        With probes under fake tensors the verification is a real step: not for a plan with segments,
+        whose terms are estimated (the search records it under fake tensors first, `learn_under_fake`),
+        and its predicted peak within the budget on the fitted terms."""
         if b in self.probed or b in (self.b1, self.b2) or self.accum_steps != 1 or self.sharding == "arithmetic":
             return None
         t = self.fitted(b, self.b1, self.b2)
         sol = solve(t, self.costs(self.b1), budget)
-        if sol is None:
+        if sol is None or (segments_of(sol.choice) and self.real is not self.runner):
             return None
         return b, tuple(sol.names(t)), sol.choice
 

@@ -67,6 +67,9 @@ class SearchState:
         self.budget: int | None = None  # the budget of the search under way (real steps stay within it)
         self.real_peaks: list[int] = []  # peaks of the real recorded steps, when probes are fake
         self.real_timed = 0  # real steps run to time the step (warm-up included), when probes are fake
+        # most bytes a verified plan's real step held above its prediction on terms probed under fake
+        # tensors at its batch: what fake tensors did not see (searcher.py `_below`)
+        self.real_gap = 0
         self._real_timing: Timing | None = None  # the one real timing the costs scale from, then
         self._timed_beside: Timing | None = None  # a real timing run beside probes, at the batch guessed
         self._ahead: Ahead | None = None  # op policies being timed in a forked process (step_costs.py)

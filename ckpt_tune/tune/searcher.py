@@ -41,6 +41,7 @@ SKIP_MARGIN = 0.02
 ONE_SAMPLE_FAILS = "more than 1 value per channel"
 # Plans with estimated segment terms verified per batch before segments not yet measured are dropped.
 SEGMENT_TRIALS = 4
+GAP_NOTE = "a real step held up to"
 # Solves per batch in the plan-verify loop (tightenings, segment trials, dropped refinements together)
 # before the batch is taken as not fitting and the search tries one smaller, as after verify.MAX_TIGHTENINGS.
 SOLVES_PER_BATCH = 4 * 8
@@ -167,10 +168,27 @@ class Searcher(Ordering, StepCosts, TermStore, EveryBlockFloor, Verdicts):
             found, verified = self._plan_at(b, budget)
             if found is not None:
                 return self._reported(b, *found, budget)
-            if batch_size is None and b > b1:  # this batch does not fit after all: one smaller
-                b -= 1
+            if batch_size is None and b > b1:  # this batch does not fit after all: a smaller one
+                b = self._below(b, budget, b1, b2)
                 continue
             raise self._no_fit(budget, b, verified)
+
+    def _below(self, b: int, budget: int, b1: int, b2: int) -> int:
+        """The batch to try after no plan fitted at b: one smaller, or, where a real step held more than
+        its prediction on fake-probed terms (`real_gap`: an allocation fake tensors do not see, such as a
+        CPU kernel's workspace at larger batches), the largest batch that fits the budget less that gap
+        (fitted, then settled on probes), where smaller: each batch on the way down would otherwise
+        verify a plan for real past the budget (docs/design.md §4)."""
+        room = budget - self.real_gap
+        if self.real_gap <= 0 or room <= 0 or b - 1 <= b1:
+            return b - 1
+        guess = self.largest_fitting(room, b1, b2)
+        if not 0 < guess < b - 1:
+            return b - 1
+        try:
+            return max(min(self._settle(guess, room, b1, b2), b - 1), b1)
+        except NoFitError:
+            return b - 1
 
     def _plan_at(self, b: int, budget: int) -> tuple[tuple[Solution, tuple[int, bool]] | None, dict]:
         """The plan-verify loop at batch b (verify.py), with what a search adds to a plan's run: a plan
@@ -195,7 +213,15 @@ class Searcher(Ordering, StepCosts, TermStore, EveryBlockFloor, Verdicts):
                 segs = segments_of(sol.choice)
                 estimated = any(self._prev_of(sol.choice, i) not in self.terms(b).segments[(i, j)].measured for i, j in segs)
                 try:
+                    if estimated and self.real is not self.runner:
+                        self.learn_under_fake(b, tuple(sol.names(self.terms(b))), sol.choice)
+                        trials += 1
+                        if trials >= SEGMENT_TRIALS:
+                            self.drop_estimated_segments(b)
+                        return None
                     verified[sol.choice] = self.verify(b, tuple(sol.names(self.terms(b))), sol.choice)
+                    if self.real is not self.runner and not estimated and b in self.probed:
+                        self._gap(b, verified[sol.choice] - sol.peak)
                 except (torch.OutOfMemoryError, NoFitError, KeyboardInterrupt):
                     raise
                 except Exception as e:
@@ -213,7 +239,7 @@ class Searcher(Ordering, StepCosts, TermStore, EveryBlockFloor, Verdicts):
             return verified[sol.choice], (verified[sol.choice], rerun)
 
         solve_in = lambda room: solve(self.terms(b), self.costs(b), room)  # noqa: E731
-        found = plan_and_verify(solve_in, budget, run, max_solves=SOLVES_PER_BATCH)
+        found = plan_and_verify(solve_in, budget, run, room=budget - self.real_gap, max_solves=SOLVES_PER_BATCH)
         if found is None and fitted:
             best = min(fitted, key=lambda x: x.cost)
             self.notes.append(
@@ -222,6 +248,19 @@ class Searcher(Ordering, StepCosts, TermStore, EveryBlockFloor, Verdicts):
             )
             found = best, (verified[best.choice], False)
         return found, verified
+
+    def _gap(self, b: int, over: int) -> None:
+        """A real step at b held `over` bytes above its prediction on fake-probed terms: the batches
+        below are planned with that much less room (`_below`), and the output says so."""
+        if over <= self.real_gap or over <= 0:
+            return
+        self.real_gap = over
+        self.notes[:] = [n for n in self.notes if not n.startswith(GAP_NOTE)]
+        self.notes.append(
+            f"{GAP_NOTE} {format_bytes(over)} above the prediction on terms recorded under fake tensors "
+            f"(at batch {b}): fake tensors do not see an allocation of this model's real step; smaller "
+            "batches were planned with that much less room"
+        )
 
     def _reported(self, b: int, sol: Solution, verified: tuple[int, bool], budget: int) -> SearchResult:
         """The result for the plan verified at b, with the prediction made before its first run."""

@@ -232,6 +232,17 @@ class TermStore(ProbeSteps):
         moments = (shard_moment(x, self.world_size, self.shard, self.gathered_bytes()) for x in moments_of(m))
         return peak_of(moments).total
 
+    def learn_under_fake(self, batch_size: int, names: tuple, choice: tuple[int, ...]) -> None:
+        """Probes under fake tensors: a plan whose segments' terms are estimated, recorded under fake
+        tensors (as exact as the probes, allocating nothing) and its segments' terms learned from that
+        run, so that the plan solved again is predicted on measured terms before any of it runs for real:
+        an estimate can be low, and a real step past the budget is an out-of-memory error on a device of
+        the budget's size (docs/design.md §4)."""
+        self.progress(f"recording batch {batch_size} with {len(names)} checkpoints under fake tensors (estimated segments)")
+        with self._stage("probe"):
+            m = self._measure_plan(batch_size, names, self.runner)
+        self.learn_segments(batch_size, choice, m)
+
     def _measure_plan(self, batch_size: int, names, runner: StepRunner | None = None) -> Measurement:
         """One recorded iteration of a plan at full depth (the verification, here or beside the probes
         in a forked process): recorded per module where the sharding arithmetic needs the moments."""

@@ -133,6 +133,7 @@ class SearchOutcome:
     verified_peak: int | None
     candidates: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    largest_real_peak: int | None = None  # the search's largest real recorded step (its probes are fake)
 
 
 @functools.cache
@@ -150,14 +151,15 @@ def searched(name: str, via_cli: bool = False) -> SearchOutcome:
         out = json.loads(p.stdout)
         plan, candidates = out["plan"], out["candidates"]
         return SearchOutcome(limit, plan["batch_size"], plan["grad_accum_steps"], hashable(plan["checkpoint"]),
-                             plan.get("verified_peak_bytes"), candidates, time.perf_counter() - t0)
+                             plan.get("verified_peak_bytes"), candidates, time.perf_counter() - t0,
+                             out.get("largest_real_peak_bytes"))
     import ckpt_tune
     from ckpt_tune.plan.entry import plain
 
     outcome = ckpt_tune.search(m.path_spec, vram=str(limit), settings=_settings("cpu"))
     plan = outcome.plan
     return SearchOutcome(limit, plan.batch_size, plan.grad_accum_steps, plain(plan.checkpoint), plan.verified_peak_bytes,
-                         list(outcome.result.units), time.perf_counter() - t0)
+                         list(outcome.result.units), time.perf_counter() - t0, outcome.result.largest_real_peak)
 
 
 # -- 4. invariants -------------------------------------------------------------------------------------
