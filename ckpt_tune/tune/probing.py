@@ -25,6 +25,7 @@ import time
 import torch
 
 from ckpt_tune.measure.forked import fork_map, resident_bytes, usable_workers
+from ckpt_tune.measure.runner import Measurement
 from ckpt_tune.tune.memory_model import (
     RunCut,
     Terms,
@@ -221,7 +222,7 @@ class ProbeSteps(SearchState):
             # numbered among this share-out's items: the progress line's time left is the share-out's
             return self._record_short(b, choice, label, (items.index(item) + 1, len(items)), workers)
 
-        here = [k for k, (kind, _w) in enumerate(items) if kind == "verify"] if real else []
+        here = [k for k, (kind, w) in enumerate(items) if kind == "verify" and not self._fake_beside(w[2])] if real else []
         got = dict(zip(items, fork_map(run, items, workers, costs, here, self._leave(workers) if here else 0), strict=True))
         for (kind, what), res in sorted(got.items(), key=lambda kv: kv[0][0] != "short" or any(kv[0][1][2])):
             if kind == "time":
@@ -267,6 +268,8 @@ class ProbeSteps(SearchState):
         where the probes are fake (in this process, `fork_map`'s `here`). None when it failed: a guess
         of ours, dropped; the search verifies the plan it then chooses, and tells a failure there."""
         b, names, choice = plan
+        if self._fake_beside(choice):  # a Measurement, for `_speculated`
+            return self._measure_plan(b, names, self.runner)
         self._say(f"verifying batch {b} with {len(names)} checkpoints, while the probes at that batch run")
         try:
             m = self._measure_plan(b, names, self.real)
@@ -278,8 +281,15 @@ class ProbeSteps(SearchState):
                 torch.cuda.empty_cache()
             return None
 
-    def _speculated(self, plan: tuple, peak: int | None) -> None:
-        if peak is not None:
+    def _fake_beside(self, choice: tuple[int, ...]) -> bool:
+        """A plan beside the probes that is recorded under fake tensors, not run: one with segments
+        (estimated terms: an estimate can be low) where the probes are fake (`_likely_plan`)."""
+        return bool(segments_of(choice)) and self.real is not self.runner
+
+    def _speculated(self, plan: tuple, peak: int | Measurement | None) -> None:
+        if isinstance(peak, Measurement):  # recorded under fake tensors: its segments, for `learn_under_fake`
+            self._fake_plan_runs[(plan[0], plan[2])] = peak
+        elif peak is not None:
             self.runs += 1
             self.speculated[(plan[0], plan[2])] = peak
 
@@ -288,14 +298,15 @@ class ProbeSteps(SearchState):
         shared out with the probes there: b not yet probed, an iteration of one batch, and a measured
         step (not divided by arithmetic). A plan with segments is verified with them where the probes
         are real: the search learns their terms from that run (`verify`) as from one after the probes.
-        With probes under fake tensors the verification is a real step: not for a plan with segments,
-        whose terms are estimated (the search records it under fake tensors first, `learn_under_fake`),
-        and its predicted peak within the budget on the fitted terms."""
+        With probes under fake tensors the verification is a real step, its predicted peak within the
+        budget on the fitted terms; a plan with segments, whose terms are estimated, is recorded under
+        fake tensors instead, in a forked process like the probes (`_fake_beside`), and the search
+        learns its segments from that record before any of it runs for real (`learn_under_fake`)."""
         if b in self.probed or b in (self.b1, self.b2) or self.accum_steps != 1 or self.sharding == "arithmetic":
             return None
         t = self.fitted(b, self.b1, self.b2)
         sol = solve(t, self.costs(self.b1), budget)
-        if sol is None or (segments_of(sol.choice) and self.real is not self.runner):
+        if sol is None:
             return None
         return b, tuple(sol.names(t)), sol.choice
 

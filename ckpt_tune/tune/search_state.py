@@ -137,6 +137,8 @@ class SearchState:
         self.speculated: dict[tuple[int, tuple[int, ...]], int] = {}
         # the same plans' runs, which a verification of a plan with segments learns their terms from
         self._beside_runs: dict[tuple[int, tuple[int, ...]], Measurement] = {}
+        # plans with segments recorded under fake tensors beside the probes (probing.py `_fake_beside`)
+        self._fake_plan_runs: dict[tuple[int, tuple[int, ...]], Measurement] = {}
         # (batch, names, choice): a plan to verify beside the full-depth probes at its batch (prefetch)
         self._beside: tuple | None = None
         # (batch, choice) -> its predicted peak when it was first run (the prediction before verification)
@@ -228,6 +230,7 @@ class SearchState:
         self._costs.clear()
         self.speculated.clear()
         self._beside_runs.clear()
+        self._fake_plan_runs.clear()
         self._beside = None
         self._first_predicted.clear()
         self._version += 1

@@ -200,6 +200,7 @@ class Searcher(Ordering, StepCosts, TermStore, EveryBlockFloor, Verdicts):
         batch. ((solution, (verified peak, solved again after its run)) or None, {choice: peak})."""
         verified: dict[tuple[int, ...], int] = {}  # choice -> its measured peak, at batch b
         fitted: list[Solution] = []  # solved on estimated segment terms, verified within the budget
+        recorded: list[tuple[Solution, tuple]] = []  # the same, recorded within it under fake tensors
         trials = 0
 
         def run(sol: Solution) -> tuple[int, tuple[int, bool]] | None:
@@ -214,7 +215,9 @@ class Searcher(Ordering, StepCosts, TermStore, EveryBlockFloor, Verdicts):
                 estimated = any(self._prev_of(sol.choice, i) not in self.terms(b).segments[(i, j)].measured for i, j in segs)
                 try:
                     if estimated and self.real is not self.runner:
-                        self.learn_under_fake(b, tuple(sol.names(self.terms(b))), sol.choice)
+                        names = tuple(sol.names(self.terms(b)))
+                        if self.learn_under_fake(b, names, sol.choice) <= budget:
+                            recorded.append((sol, names))
                         trials += 1
                         if trials >= SEGMENT_TRIALS:
                             self.drop_estimated_segments(b)
@@ -240,6 +243,12 @@ class Searcher(Ordering, StepCosts, TermStore, EveryBlockFloor, Verdicts):
 
         solve_in = lambda room: solve(self.terms(b), self.costs(b), room)  # noqa: E731
         found = plan_and_verify(solve_in, budget, run, room=budget - self.real_gap, max_solves=SOLVES_PER_BATCH)
+        if found is None and not fitted and recorded:
+            # probes under fake tensors: the cheapest such plan recorded within the budget, verified now
+            best, names = min(recorded, key=lambda x: x[0].cost)
+            verified[best.choice] = self.verify(b, names, best.choice)
+            if verified[best.choice] <= budget:
+                fitted.append(best)
         if found is None and fitted:
             best = min(fitted, key=lambda x: x.cost)
             self.notes.append(

@@ -109,7 +109,8 @@ class TermStore(ProbeSteps):
             return self._record_full(batch_size, *t, n, workers, not (borrow and any(t[2])))
 
         # a real verification runs in this process (forked ones record only fake steps), first
-        here = [len(todo)] if (plan is not None or timed is not None) and self.real is not self.runner else []
+        real_plan = plan is not None and not self._fake_beside(plan[2])
+        here = [len(todo)] if (real_plan or timed is not None) and self.real is not self.runner else []
         try:
             got = fork_map(run, items, workers, here=here, leave=self._leave(workers) if here else 0)
         except torch.OutOfMemoryError:
@@ -232,16 +233,19 @@ class TermStore(ProbeSteps):
         moments = (shard_moment(x, self.world_size, self.shard, self.gathered_bytes()) for x in moments_of(m))
         return peak_of(moments).total
 
-    def learn_under_fake(self, batch_size: int, names: tuple, choice: tuple[int, ...]) -> None:
+    def learn_under_fake(self, batch_size: int, names: tuple, choice: tuple[int, ...]) -> int:
         """Probes under fake tensors: a plan whose segments' terms are estimated, recorded under fake
         tensors (as exact as the probes, allocating nothing) and its segments' terms learned from that
         run, so that the plan solved again is predicted on measured terms before any of it runs for real:
         an estimate can be low, and a real step past the budget is an out-of-memory error on a device of
-        the budget's size (docs/design.md §4)."""
-        self.progress(f"recording batch {batch_size} with {len(names)} checkpoints under fake tensors (estimated segments)")
-        with self._stage("probe"):
-            m = self._measure_plan(batch_size, names, self.runner)
+        the budget's size (docs/design.md §4). Its recorded peak."""
+        m = self._fake_plan_runs.pop((batch_size, choice), None)  # recorded beside the probes (`_fake_beside`)
+        if m is None:
+            self.progress(f"recording batch {batch_size} with {len(names)} checkpoints under fake tensors (estimated segments)")
+            with self._stage("probe"):
+                m = self._measure_plan(batch_size, names, self.runner)
         self.learn_segments(batch_size, choice, m)
+        return m.peak_bytes
 
     def _measure_plan(self, batch_size: int, names, runner: StepRunner | None = None) -> Measurement:
         """One recorded iteration of a plan at full depth (the verification, here or beside the probes
