@@ -267,8 +267,7 @@ class Searcher(Ordering, StepCosts, TermStore, EveryBlockFloor, Verdicts):
         self.notes[:] = [n for n in self.notes if not n.startswith(GAP_NOTE)]
         self.notes.append(
             f"{GAP_NOTE} {format_bytes(over)} above the prediction on terms recorded under fake tensors "
-            f"(at batch {b}): fake tensors do not see an allocation of this model's real step; smaller "
-            "batches were planned with that much less room"
+            f"(at batch {b}); smaller batches were planned with that much less room"
         )
 
     def _reported(self, b: int, sol: Solution, verified: tuple[int, bool], budget: int) -> SearchResult:
