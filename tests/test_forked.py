@@ -60,6 +60,27 @@ def test_items_kept_here_run_in_this_process_first():
     assert [x for x, _ in got] == list(range(4))
 
 
+def test_items_run_first_run_here_before_any_child_which_starts_with_what_they_left():
+    seen: list[int] = []
+
+    def cached(x):
+        seen.append(x)  # a cache of this process's: a child copies what it holds when forked
+        time.sleep(0.2)  # long enough for every process to take items from the queue
+        return os.getpid(), list(seen)
+
+    got = fork_map(cached, list(range(6)), 2, first=[3])
+    assert got[3] == (PARENT, [3])  # before anything else, here
+    children = [s for pid, s in got if pid != PARENT]
+    assert children
+    assert all(s[0] == 3 for s in children)
+
+
+def test_a_first_item_that_raises_raises_before_any_child_is_forked():
+    with pytest.raises(Refused, match="1") as info:
+        fork_map(_fails_at(1), [0, 1, 2, 3], 2, first=[1])
+    assert isinstance(info.value.__cause__, ValueError)
+
+
 def test_one_worker_is_a_plain_loop_in_this_process():
     assert fork_map(_where, [1, 2, 3], 1) == [(1, True), (2, True), (3, True)]
 

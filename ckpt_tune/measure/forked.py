@@ -204,23 +204,28 @@ def fork_map(
     costs: Sequence[float] | None = None,
     here: Sequence[int] = (),
     leave: int = 0,
+    first: Sequence[int] = (),
 ) -> list[R]:
     """[fn(x) for x in items], in `workers` processes (this one and forked children): each takes the
     next item from a shared queue whenever it is free, in `queue_order` (given `costs`, each item's
     expected time in any unit: the longest first). The items numbered in `here` are not queued: this
-    process runs them first, then takes queued ones only while more than `leave` are left.
+    process runs them first, then takes queued ones only while more than `leave` are left. The items
+    numbered in `first` run in this process before any child is forked: what they leave in it (a cache)
+    the children start with.
 
     The first item that raises, in item order, raises here, as it would in a loop (items after it may
     have run). An item that no process ran (its child died, or every process stopped at a failure
     first) is run here, in item order. `fn` must leave this process as it found it apart from what it
     returns: a child's side effects are lost with it."""
     items = list(items)
-    workers = max(1, min(workers, len(items)))
-    if workers == 1 or len(items) > _QUEUE_MAX:
-        return [fn(x) for x in items]
+    results: dict[int, tuple[str, Any]] = {}
+    ahead = set(first)
+    workers = max(1, min(workers, len(items) - len(ahead)))
+    if workers == 1 or len(items) > _QUEUE_MAX or not _run(fn, items, first, results):
+        return _in_order(fn, items, results)
     queue, w = os.pipe()
     try:
-        os.write(w, b"".join(k.to_bytes(4, "little") for k in queue_order(len(items), costs) if k not in here))
+        os.write(w, b"".join(k.to_bytes(4, "little") for k in queue_order(len(items), costs) if k not in here and k not in ahead))
     finally:
         os.close(w)  # read to its end, the queue reads as empty
     children: list[tuple[int, int]] = []  # (pid, read fd)
@@ -232,7 +237,6 @@ def fork_map(
             _child(fn, items, queue, w)
         os.close(w)
         children.append((pid, r))
-    results: dict[int, tuple[str, Any]] = {}
     unread, unreaped = {r for _p, r in children}, {p for p, _r in children}
     try:
         if _run(fn, items, here, results):
@@ -256,6 +260,12 @@ def fork_map(
             with contextlib.suppress(OSError):
                 os.kill(pid, 9)
                 os.waitpid(pid, 0)
+    return _in_order(fn, items, results)
+
+
+def _in_order(fn: Callable[[T], R], items: list[T], results: dict[int, tuple[str, Any]]) -> list[R]:
+    """The items' values in item order, from `results` (`_run`'s) or, for an item no process ran, run
+    here; the first failure in item order raised."""
     out: list[R] = []
     for k in range(len(items)):
         if k not in results:  # taken by a child that died, or left by processes that failed first

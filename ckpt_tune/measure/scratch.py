@@ -68,6 +68,14 @@ _CALIBRATED: dict[tuple, Scratch | None] = {}  # op call signature -> what the r
 _quiet_fd2 = timeline.quiet_stderr  # kineto prints profiler start/stop lines straight to fd 2
 
 
+def forked_alike() -> bool:
+    """Whether a forked process (one torch thread: measure/forked.py) calibrates a CPU kernel's scratch as
+    this process runs that kernel: only where this one runs one thread too. oneDNN sizes its buffers by
+    the threads it runs (torchvision's ResNet-18 at batch 24: a step 36 MiB higher on two threads than on
+    one), so with more, the calls of a batch are calibrated in this process first (docs/design.md §3)."""
+    return torch.get_num_threads() == 1
+
+
 def _signature(func, args, kwargs) -> tuple:
     def one(a):
         if isinstance(a, torch.Tensor):

@@ -89,6 +89,7 @@ class Ordering(ProbeSteps):
         marked = (*self.units, *self.groups, *self._between)
         with inputs_changed(self.runner.model, marked) as changed:
             m = self.runner.measure(batch_size, units=marked)
+        self._recorded_here.add(batch_size)
         # the user's step ran as it is: whatever fails from here on is ckpt-tune's (under fake tensors, the
         # real step ran before: `_first_steps`)
         self.plain_ran = self.plain_ran or self.real is self.runner

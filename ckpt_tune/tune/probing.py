@@ -26,6 +26,7 @@ import torch
 
 from ckpt_tune.measure.forked import fork_map, resident_bytes, usable_workers
 from ckpt_tune.measure.runner import Measurement
+from ckpt_tune.measure.scratch import forked_alike
 from ckpt_tune.tune.memory_model import (
     RunCut,
     Terms,
@@ -59,6 +60,28 @@ class OptionFailed(Exception):
 class ProbeSteps(SearchState):
     """Probe steps on the shortened chain and their share-outs, for `Searcher` (see the module docstring)."""
 
+    @property
+    def _calibrates_here(self) -> bool:
+        """Fake steps with the CPU allocator's rules, where a forked process would calibrate a kernel's
+        scratch on fewer threads than this one's real steps run (scratch.forked_alike): the first probe
+        of each batch (no checkpointing: every call of the step) is recorded in this process before any
+        other is shared out (`_first_here`), and none is recorded beside the ordering step."""
+        settings = getattr(self.runner, "settings", None)
+        return self.runner.fake and getattr(settings, "fake_target", None) == "cpu" and not forked_alike()
+
+    def _first_here(self, batches: list[int]) -> list[int]:
+        """Of a share-out's items at `batches` (their probe's batch; None for other items), the first
+        of each batch no step of this process has recorded yet, where `_calibrates_here`: `fork_map`'s
+        `first`, taken as recorded here."""
+        if not self._calibrates_here:
+            return []
+        first = {}
+        for k, b in enumerate(batches):
+            if b is not None and b not in self._recorded_here:
+                first.setdefault(b, k)
+        self._recorded_here.update(first)
+        return list(first.values())
+
     def _leave(self, workers: int) -> int:
         """Queued probes this process leaves to the forked ones after its real step (`fork_map`'s `leave`)."""
         return FIRST_FAKE_STEPS * (workers - 1)
@@ -68,6 +91,8 @@ class ProbeSteps(SearchState):
         the first shortened probes may be recorded alongside the ordering step: fake steps, a plain or
         sharded runner, one batch per iteration, and room for a second process."""
         if not (self._plain and self.runner.fake and self._kind == 1 and usable_workers(2, resident_bytes()) >= 2):
+            return None
+        if self._calibrates_here:  # the first probes' calls are calibrated by the ordering step, here
             return None
         return find_repeat(self.runner.model, self.units)
 
@@ -223,7 +248,8 @@ class ProbeSteps(SearchState):
             return self._record_short(b, choice, label, (items.index(item) + 1, len(items)), workers)
 
         here = [k for k, (kind, w) in enumerate(items) if kind == "verify" and not self._fake_beside(w[2])] if real else []
-        got = dict(zip(items, fork_map(run, items, workers, costs, here, self._leave(workers) if here else 0), strict=True))
+        first = self._first_here([w[0] if kind == "short" and not any(w[2]) else None for kind, w in items])
+        got = dict(zip(items, fork_map(run, items, workers, costs, here, self._leave(workers) if here else 0, first), strict=True))
         for (kind, what), res in sorted(got.items(), key=lambda kv: kv[0][0] != "short" or any(kv[0][1][2])):
             if kind == "time":
                 self._costs[what] = res[0]

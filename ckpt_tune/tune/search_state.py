@@ -132,6 +132,7 @@ class SearchState:
         self._eta_s: dict[str, list[float]] = {}  # the same, of the steps this process ran (progress lines)
         self._pid = os.getpid()  # a forked process that records probes (measure/forked.py) is not this one
         self._forks = False  # probes may be shared out over forked processes (set by order_units)
+        self._recorded_here: set[int] = set()  # batches this process recorded a fake step at (probing.py `_first_here`)
         self._dropped: set[str] = set()  # finer options whose probe step failed (never offered again)
         # (batch, choice) -> the peak of a plan verified alongside the probes at that batch (prefetch)
         self.speculated: dict[tuple[int, tuple[int, ...]], int] = {}

@@ -103,10 +103,8 @@ def test_search_plan_fits_and_reaches_the_every_block_batch(member: Member):
     assert measured <= out.budget, (
         f"{member.name}: plan {list(out.checkpoint)} at batch {out.batch_size} measured {measured:,} B "
         f"> budget {out.budget:,} B (+{measured - out.budget:,} B)")
-    # no real step of the search went past the budget (on a device of its size, an out-of-memory error),
-    # but where the member says why one does (`real_past_budget`, a limitation in docs/limitations.md)
-    if member.real_past_budget is None:
-        assert out.largest_real_peak is None or out.largest_real_peak <= out.budget, (out.largest_real_peak, out.budget)
+    # no real step of the search went past the budget (on a device of its size, an out-of-memory error)
+    assert out.largest_real_peak is None or out.largest_real_peak <= out.budget, (out.largest_real_peak, out.budget)
     every = checks.every_block_batch(member, out.budget)
     assert every >= member.budget_batch  # the budget was made from it
     assert out.batch_size >= every, (
