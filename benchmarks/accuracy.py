@@ -198,7 +198,7 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(EXAMPLES))
     ap.add_argument("--zoo", default=None, help="zoo members (comma-separated; default: a fast eight; 'none': skip)")
     ap.add_argument("--quick", action="store_true", help="two probed batches, one unprobed, two zoo members")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (memory does not depend on it)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (a CPU kernel's scratch can depend on them: docs/design.md §3)")
     ap.add_argument("--fake-probes", action="store_true",
                     help="the probes under fake tensors with the CPU allocator's rules, as `search` records them on "
                          "--device cpu; results in accuracy_fake_probes.md")
