@@ -66,8 +66,7 @@ class ProbeSteps(SearchState):
         scratch on fewer threads than this one's real steps run (scratch.forked_alike): the first probe
         of each batch (no checkpointing: every call of the step) is recorded in this process before any
         other is shared out (`_first_here`), and none is recorded beside the ordering step."""
-        settings = getattr(self.runner, "settings", None)
-        return self.runner.fake and getattr(settings, "fake_target", None) == "cpu" and not forked_alike()
+        return self.runner.fake and self.runner.settings.fake_target == "cpu" and not forked_alike()
 
     def _first_here(self, batches: list[int]) -> list[int]:
         """Of a share-out's items at `batches` (their probe's batch; None for other items), the first

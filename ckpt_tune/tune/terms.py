@@ -112,7 +112,7 @@ class TermStore(ProbeSteps):
         real_plan = plan is not None and not self._fake_beside(plan[2])
         here = [len(todo)] if (real_plan or timed is not None) and self.real is not self.runner else []
         try:
-            first = self._first_here([batch_size if t in todo and not any(t[2]) else None for t in items])
+            first = self._first_here([None if any(choice) else batch_size for _j, _label, choice in todo])
             got = fork_map(run, items, workers, here=here, leave=self._leave(workers) if here else 0, first=first)
         except torch.OutOfMemoryError:
             if batch_size in (self.b1, self.b2):
