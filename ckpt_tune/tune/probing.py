@@ -302,7 +302,8 @@ class ProbeSteps(SearchState):
         if self.real is not self.runner:
             self._say(f"recording batch {b} with {len(names)} checkpoints under fake tensors, while the probes at that batch run")
             self.runs += 1
-            if self._measure_plan(b, names, self.runner).peak_bytes + self.real_gap > (self.budget or 0):
+            self._fake_peaks[(b, choice)] = self._measure_plan(b, names, self.runner).peak_bytes
+            if self._fake_peaks[(b, choice)] + self.real_gap > (self.budget or 0):
                 return None
         self._say(f"verifying batch {b} with {len(names)} checkpoints, while the probes at that batch run")
         try:

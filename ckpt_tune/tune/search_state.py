@@ -140,6 +140,8 @@ class SearchState:
         self._beside_runs: dict[tuple[int, tuple[int, ...]], Measurement] = {}
         # plans with segments recorded under fake tensors beside the probes (probing.py `_fake_beside`)
         self._fake_plan_runs: dict[tuple[int, tuple[int, ...]], Measurement] = {}
+        # (batch, choice) -> the peak of a plan recorded at full depth under fake tensors (terms.py)
+        self._fake_peaks: dict[tuple[int, tuple[int, ...]], int] = {}
         # (batch, names, choice): a plan to verify beside the full-depth probes at its batch (prefetch)
         self._beside: tuple | None = None
         # (batch, choice) -> its predicted peak when it was first run (the prediction before verification)
@@ -232,6 +234,7 @@ class SearchState:
         self.speculated.clear()
         self._beside_runs.clear()
         self._fake_plan_runs.clear()
+        self._fake_peaks.clear()
         self._beside = None
         self._first_predicted.clear()
         self._version += 1

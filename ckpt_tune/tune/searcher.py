@@ -194,7 +194,8 @@ class Searcher(Ordering, StepCosts, TermStore, EveryBlockFloor, Verdicts):
         """The plan-verify loop at batch b (verify.py), with what a search adds to a plan's run: a plan
         verified alongside the probes is not run again; one that fails is solved again without the
         refinements it used; one with estimated segment terms is solved again on the terms its run
-        measured. Should the solves run out before a plan solved on measured terms fits, the cheapest plan
+        measured; where the probes are fake, one is recorded under fake tensors before it runs for real,
+        and runs only where that fits (`over_under_fake`). Should the solves run out before a plan solved on measured terms fits, the cheapest plan
         that was verified within the budget when solved on estimated terms is reported (its prediction
         the one made before its run): a plan that fits, found and measured, is not given up for a smaller
         batch. ((solution, (verified peak, solved again after its run)) or None, {choice: peak})."""
@@ -222,9 +223,14 @@ class Searcher(Ordering, StepCosts, TermStore, EveryBlockFloor, Verdicts):
                         if trials >= SEGMENT_TRIALS:
                             self.drop_estimated_segments(b)
                         return None
-                    verified[sol.choice] = self.verify(b, tuple(sol.names(self.terms(b))), sol.choice)
-                    if self.real is not self.runner and not estimated and b in self.probed:
-                        self._gap(b, verified[sol.choice] - sol.peak)
+                    names = tuple(sol.names(self.terms(b)))
+                    over = self.over_under_fake(b, names, sol.choice, budget)
+                    if over is not None:  # recorded past the budget under fake tensors: not run, solved tighter
+                        verified[sol.choice] = over
+                        return over, (over, rerun)
+                    verified[sol.choice] = self.verify(b, names, sol.choice)
+                    if self.real is not self.runner:
+                        self._gap(b, verified[sol.choice] - self._fake_peaks.get((b, sol.choice), sol.peak))
                 except (torch.OutOfMemoryError, NoFitError, KeyboardInterrupt):
                     raise
                 except Exception as e:
@@ -259,14 +265,16 @@ class Searcher(Ordering, StepCosts, TermStore, EveryBlockFloor, Verdicts):
         return found, verified
 
     def _gap(self, b: int, over: int) -> None:
-        """A real step at b held `over` bytes above its prediction on fake-probed terms: the batches
-        below are planned with that much less room (`_below`), and the output says so."""
+        """A real step at b held `over` bytes above its plan's record under fake tensors (where none, its
+        prediction on fake-probed terms): an allocation fake tensors do not see. The batches below are
+        planned with that much less room (`_below`), every record is judged with it
+        (`over_under_fake`), and the output says so."""
         if over <= self.real_gap or over <= 0:
             return
         self.real_gap = over
         self.notes[:] = [n for n in self.notes if not n.startswith(GAP_NOTE)]
         self.notes.append(
-            f"{GAP_NOTE} {format_bytes(over)} above the prediction on terms recorded under fake tensors "
+            f"{GAP_NOTE} {format_bytes(over)} above its record under fake tensors "
             f"(at batch {b}); smaller batches were planned with that much less room"
         )
 

@@ -226,13 +226,35 @@ class TermStore(ProbeSteps):
             self.runs += 1
         if batch_size in self.probed:
             self.learn_segments(batch_size, choice, m)
+        return self._plan_peak(m)
+
+    def _plan_peak(self, m: Measurement) -> int:
+        """A plan's peak from its recorded step: as recorded, or for a sharded step that cannot run here
+        its recorded single-GPU moments, sharded by arithmetic."""
         if self.sharding != "arithmetic":
             return m.peak_bytes
-        # a sharded step cannot run here: its recorded single-GPU moments, sharded by arithmetic
         from ckpt_tune.tune.moments import moments_of
 
         moments = (shard_moment(x, self.world_size, self.shard, self.gathered_bytes()) for x in moments_of(m))
         return peak_of(moments).total
+
+    def over_under_fake(self, batch_size: int, names: tuple, choice: tuple[int, ...], budget: int) -> int | None:
+        """Where the probes are fake, a plan is recorded under fake tensors before its verification runs
+        for real: its prediction adds terms up, and the sum can be low (a diffusers UNet on two threads,
+        at batch 28: 896 KiB; docs/design.md §4), where a real step past the budget is an out-of-memory
+        error on a device of the budget's size. The recorded peak where it, plus `real_gap`, is past
+        `budget` (the plan is not run); None where it fits, the probes are real, or the plan ran beside
+        them (recorded under fake tensors first, probing.py `_verify_beside`)."""
+        if self.real is self.runner or (self.accum_steps == 1 and (batch_size, choice) in self._beside_runs):
+            return None
+        peak = self._fake_peaks.get((batch_size, choice))
+        if peak is None:
+            self.progress(f"recording batch {batch_size} with {len(names)} checkpoints under fake tensors before it runs")
+            with self._stage("probe"):
+                peak = self._plan_peak(self._measure_plan(batch_size, names, self.runner))
+            self.runs += 1
+            self._fake_peaks[(batch_size, choice)] = peak
+        return peak if peak + self.real_gap > budget else None
 
     def learn_under_fake(self, batch_size: int, names: tuple, choice: tuple[int, ...]) -> int:
         """Probes under fake tensors: a plan whose segments' terms are estimated, recorded under fake
@@ -246,6 +268,7 @@ class TermStore(ProbeSteps):
             with self._stage("probe"):
                 m = self._measure_plan(batch_size, names, self.runner)
         self.learn_segments(batch_size, choice, m)
+        self._fake_peaks[(batch_size, choice)] = self._plan_peak(m)
         return m.peak_bytes
 
     def _measure_plan(self, batch_size: int, names, runner: StepRunner | None = None) -> Measurement:

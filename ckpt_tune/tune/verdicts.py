@@ -45,7 +45,7 @@ class Verdicts(SearchState):
             # the model says a plan fits, but every plan run measured over the budget
             return NoFitError(
                 f"no verified plan fits {format_bytes(budget)} at batch {b}: {len(over)} plan(s) predicted to fit "
-                f"measured over it when run (by up to {format_bytes(max(over) - budget)}), though the smallest "
+                f"measured over it when recorded (by up to {format_bytes(max(over) - budget)}), though the smallest "
                 f"predicted peak is {format_bytes(mp.peak)}",
                 "the memory model is optimistic for this model here; allow that much more --vram or a smaller "
                 "--batch-size, and please report it (ckpt-tune search --json shows the plans tried)",
