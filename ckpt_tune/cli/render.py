@@ -137,7 +137,11 @@ def render_search(outcome, plan_yaml: str, patch: str, elapsed_s: float) -> None
     err.print(Panel(Syntax(patch, "python", theme="ansi_dark", background_color="default"), title="patch", title_align="left"))
     extended = f"; terms of {len(res.extended_terms)} identical blocks extended, not recorded" if res.extended_terms else ""
     real = ""
-    if res.real_steps is not None:  # probes under fake tensors: what ran for real
+    if res.real_steps is not None and res.timed_steps is None:  # every step ran on the device
+        largest = res.largest_real_peak or 0
+        past = f", {largest / res.budget:.2f}x the budget" if largest > res.budget else ""
+        real = f": all real; the largest peaked at {format_bytes(largest)}{past}"
+    elif res.real_steps is not None:  # probes under fake tensors: what ran for real
         real = (
             f": {res.probes - res.real_steps} under fake tensors, {res.real_steps} real, and {res.timed_steps} real steps "
             f"timed; the largest real step peaked at {format_bytes(res.largest_real_peak or 0)}"

@@ -180,6 +180,10 @@ class HostGuard:
     def state_bytes(self) -> tuple[int, int, int]:
         return self.real.state_bytes()
 
+    @property
+    def real_peaks(self) -> list[int]:
+        return self.real.real_peaks
+
     def measure(
         self,
         batch_size: int,

@@ -72,11 +72,7 @@ class StepRunner:
     """A model set up for training iterations. Use as a context manager; on exit the model is restored."""
 
     def __init__(
-        self,
-        model: nn.Module,
-        batch_fn: Callable[[int], Any],
-        loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-        settings: StepSettings = StepSettings(),
+        self, model: nn.Module, batch_fn: Callable[[int], Any], loss_fn: Callable[[nn.Module, Any], torch.Tensor], settings: StepSettings = StepSettings()
     ) -> None:
         self.model, self.batch_fn, self.loss_fn, self.settings = model, batch_fn, loss_fn, settings
         self.fake = settings.device == "meta"  # fake tensors: the CPU-device graph, nothing allocated
@@ -85,6 +81,7 @@ class StepRunner:
         self.scaler = None
         self._warm = False
         self.iterations = 0  # training iterations run (`iteration`)
+        self.real_peaks: list[int] = []  # peaks of the steps `measure` recorded for real (not under fake tensors)
         self._snapshot: dict[str, Any] = {}
         self._froze = False  # whether __enter__ froze the collector's objects (gc.freeze)
         self.notes: list[str] = []  # how steps were measured, when not as asked (see measure/host.py)
@@ -330,6 +327,8 @@ class StepRunner:
         reserved = None
         if cuda:  # on CUDA the allocator's own counter is ground truth (it includes its 512 B rounding)
             peak, reserved = max(cuda_peak, static + grads_before), cuda_reserved
+        if not self.fake:
+            self.real_peaks.append(peak)
         return Measurement(
             batch_size=batch_size,
             checkpoint=entries_of(checkpoint),

@@ -268,10 +268,14 @@ class SearchState:
         return t
 
     def _real_counts(self, res: SearchResult) -> None:
-        """The result's counts of real steps, where the probes ran under fake tensors."""
+        """The result's counts of real steps: where the probes ran under fake tensors, the real ones
+        beside them; where every step ran on the device (fake tensors cannot record this step), every
+        recorded step the runner ran for real, so the output says how far past the budget the largest went."""
         if self.real is not self.runner:
             res.real_steps, res.timed_steps = len(self.real_peaks), self.real_timed
             res.largest_real_peak = max(self.real_peaks, default=None)
+        elif self.runner.real_peaks:
+            res.real_steps, res.largest_real_peak = len(self.runner.real_peaks), max(self.runner.real_peaks)
 
     # -- what one part asks of another ------------------------------------------------------
     def _set_options(self, batch_size: int) -> None:
