@@ -38,6 +38,22 @@ GPT = "examples/gpt.py:build"
 BUDGET = 160 * 2**20
 
 
+def real_peaks_of(monkeypatch) -> list[int]:
+    """The peaks of the steps `StepRunner.measure` records for real from here on (a cold first step's
+    recording calls measure twice: listed twice)."""
+    peaks: list[int] = []
+    measure = StepRunner.measure
+
+    def counted(self, *a, **k):
+        m = measure(self, *a, **k)
+        if not self.fake:
+            peaks.append(m.peak_bytes)
+        return m
+
+    monkeypatch.setattr(StepRunner, "measure", counted)
+    return peaks
+
+
 def test_a_fake_step_counts_the_generator_states_a_checkpoint_keeps() -> None:
     """A checkpoint keeps the CPU generator's state (5,056 B) from its forward to its recompute and
     `fork_rng` copies it again there: a fake step of a checkpointed plan is off from the real one by
@@ -141,16 +157,7 @@ def test_a_step_fake_tensors_cannot_run_is_searched_with_real_probes(tmp_path, m
     on the device, with a note, and the output counts the real steps and gives the largest one's peak,
     which real probes may take past the budget (docs/limitations.md)."""
     (tmp_path / "dd.py").write_text(DATA_DEPENDENT)
-    real_peaks = []
-    measure = StepRunner.measure
-
-    def real(self, *a, **k):
-        m = measure(self, *a, **k)
-        if not self.fake:
-            real_peaks.append(m.peak_bytes)
-        return m
-
-    monkeypatch.setattr(StepRunner, "measure", real)
+    real_peaks = real_peaks_of(monkeypatch)
     out = search(f"{tmp_path / 'dd.py'}:build", vram="2MiB", settings=Settings(device="cpu"))
     res = out.result
     assert res.real_steps > 1  # (a cold first step's recording calls measure twice: counted once there)
@@ -348,7 +355,7 @@ def test_a_plan_guessed_beside_the_probes_runs_for_real_only_where_its_fake_reco
     examples/gpt.py settles on, far over 160 MiB; it is not run, and no real step goes past the budget."""
     monkeypatch.setenv(WORKERS_ENV, "2")
     likely = ProbeSteps._likely_plan
-    guessed, real_peaks, said = [], [], []
+    guessed, said = [], []
 
     def over(self, b, budget):
         plan = likely(self, b, budget)
@@ -357,16 +364,8 @@ def test_a_plan_guessed_beside_the_probes_runs_for_real_only_where_its_fake_reco
             guessed.append(plan)
         return plan
 
-    measure = StepRunner.measure
-
-    def real(self, *a, **k):
-        m = measure(self, *a, **k)
-        if not self.fake:
-            real_peaks.append(m.peak_bytes)
-        return m
-
+    real_peaks = real_peaks_of(monkeypatch)
     monkeypatch.setattr(ProbeSteps, "_likely_plan", over)
-    monkeypatch.setattr(StepRunner, "measure", real)
     res = search(GPT, vram="160MiB", settings=Settings(device="cpu"), progress=said.append).result
     assert guessed
     b = guessed[0][0]
@@ -377,7 +376,6 @@ def test_a_plan_guessed_beside_the_probes_runs_for_real_only_where_its_fake_reco
     assert res.verified_peak <= BUDGET
 
 
-
 def test_a_plan_whose_terms_add_up_low_is_recorded_under_fake_tensors_and_not_run_past_the_budget(monkeypatch) -> None:
     """A plan's prediction adds its terms up, and the sum can be low (a diffusers UNet on two threads:
     896 KiB at batch 28, which the real step then held past the budget). Where the probes are fake, the
@@ -386,7 +384,7 @@ def test_a_plan_whose_terms_add_up_low_is_recorded_under_fake_tensors_and_not_ru
     the first plan solved at the batch examples/gpt.py settles on is no checkpointing, said to fit."""
     monkeypatch.setenv(WORKERS_ENV, "2")
     pav = searcher.plan_and_verify
-    lied, real_peaks, said = [], [], []
+    lied, said = [], []
 
     def lying(solve_in, budget, run, **k):
         def solve_low(room):
@@ -398,16 +396,8 @@ def test_a_plan_whose_terms_add_up_low_is_recorded_under_fake_tensors_and_not_ru
 
         return pav(solve_low, budget, run, **k)
 
-    measure = StepRunner.measure
-
-    def real(self, *a, **k):
-        m = measure(self, *a, **k)
-        if not self.fake:
-            real_peaks.append(m.peak_bytes)
-        return m
-
+    real_peaks = real_peaks_of(monkeypatch)
     monkeypatch.setattr(searcher, "plan_and_verify", lying)
-    monkeypatch.setattr(StepRunner, "measure", real)
     res = search(GPT, vram="160MiB", settings=Settings(device="cpu"), progress=said.append).result
     assert lied
     before = [s for s in said if s.endswith("with 0 checkpoints under fake tensors before it runs")]
@@ -468,14 +458,8 @@ def test_a_plan_on_estimated_segment_terms_is_recorded_under_fake_tensors_before
     what that run measured (`learn_under_fake`); it is not verified beside the probes either: every real
     step of a plan with segments is of a plan solved on measured terms, and within the budget."""
     monkeypatch.setenv(WORKERS_ENV, "2")
-    real_peaks, learned, unmeasured = [], [], []
-    measure, verify, learn = StepRunner.measure, TermStore.verify, TermStore.learn_under_fake
-
-    def counted(self, *a, **k):
-        m = measure(self, *a, **k)
-        if not self.fake:
-            real_peaks.append(m.peak_bytes)
-        return m
+    learned, unmeasured = [], []
+    verify, learn = TermStore.verify, TermStore.learn_under_fake
 
     def checked(self, b, names, choice=()):
         t = self.terms(b)
@@ -486,7 +470,7 @@ def test_a_plan_on_estimated_segment_terms_is_recorded_under_fake_tensors_before
         learned.append((b, choice))
         return learn(self, b, names, choice)
 
-    monkeypatch.setattr(StepRunner, "measure", counted)
+    real_peaks = real_peaks_of(monkeypatch)
     monkeypatch.setattr(TermStore, "verify", checked)
     monkeypatch.setattr(TermStore, "learn_under_fake", seen)
     res = search("examples/unet.py:build", vram="160MiB", settings=Settings(device="cpu")).result
