@@ -195,10 +195,10 @@ class Searcher(Ordering, StepCosts, TermStore, EveryBlockFloor, Verdicts):
         verified alongside the probes is not run again; one that fails is solved again without the
         refinements it used; one with estimated segment terms is solved again on the terms its run
         measured; where the probes are fake, one is recorded under fake tensors before it runs for real,
-        and runs only where that fits (`over_under_fake`). Should the solves run out before a plan solved on measured terms fits, the cheapest plan
-        that was verified within the budget when solved on estimated terms is reported (its prediction
-        the one made before its run): a plan that fits, found and measured, is not given up for a smaller
-        batch. ((solution, (verified peak, solved again after its run)) or None, {choice: peak})."""
+        and runs only where that fits (`over_under_fake`). Should the solves run out before a plan solved
+        on measured terms fits, the cheapest plan that was verified within the budget when solved on
+        estimated terms is reported (its prediction the one made before its run): a plan that fits, found
+        and measured, is not given up for a smaller batch. ((solution, (verified peak, solved again after its run)) or None, {choice: peak})."""
         verified: dict[tuple[int, ...], int] = {}  # choice -> its measured peak, at batch b
         fitted: list[Solution] = []  # solved on estimated segment terms, verified within the budget
         recorded: list[tuple[Solution, tuple]] = []  # the same, recorded within it under fake tensors
