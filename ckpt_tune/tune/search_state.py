@@ -65,7 +65,6 @@ class SearchState:
         self.runner = runner
         self.real = runner if real is None else real
         self.budget: int | None = None  # the budget of the search under way (real steps stay within it)
-        self.real_peaks: list[int] = []  # peaks of the real recorded steps, when probes are fake
         self.real_timed = 0  # real steps run to time the step (warm-up included), when probes are fake
         # most bytes a verified plan's real step held above its prediction on terms probed under fake
         # tensors at its batch: what fake tensors did not see (searcher.py `_below`)
@@ -267,15 +266,23 @@ class SearchState:
             self.real_timed += self.real.iterations - before
         return t
 
+    @property
+    def real_peaks(self) -> list[int]:
+        """Peaks of the steps recorded for real, in order: the real runner's own list (runner.py
+        `measure`), so that a step `HostGuard` records under fake tensors is not among them, and a
+        search run again on the same runner counts what ran before it."""
+        return self.real.real_peaks
+
     def _real_counts(self, res: SearchResult) -> None:
-        """The result's counts of real steps: where the probes ran under fake tensors, the real ones
-        beside them; where every step ran on the device (fake tensors cannot record this step), every
-        recorded step the runner ran for real, so the output says how far past the budget the largest went."""
-        if self.real is not self.runner:
-            res.real_steps, res.timed_steps = len(self.real_peaks), self.real_timed
-            res.largest_real_peak = max(self.real_peaks, default=None)
-        elif self.runner.real_peaks:
-            res.real_steps, res.largest_real_peak = len(self.runner.real_peaks), max(self.runner.real_peaks)
+        """The result's counts of real steps: every recorded step the runner ran for real (where the
+        probes ran under fake tensors, those beside them; where every step ran on the device, because
+        fake tensors cannot record this step, all of them, so the output says how far past the budget
+        the largest went), and where the probes were fake, the real steps run to time the step."""
+        fake = self.real is not self.runner
+        if fake or self.real_peaks:
+            res.real_steps, res.largest_real_peak = len(self.real_peaks), max(self.real_peaks, default=None)
+        if fake:
+            res.timed_steps = self.real_timed
 
     # -- what one part asks of another ------------------------------------------------------
     def _set_options(self, batch_size: int) -> None:

@@ -128,8 +128,7 @@ class Searcher(Ordering, StepCosts, TermStore, EveryBlockFloor, Verdicts):
         fails later is ckpt-tune's. Recorded from cold on a CPU, as a fake step is: one iteration, not a
         warm-up and then the recorded one (runner.py `measure`)."""
         self._say(f"running the step for real at batch {batch_size}")
-        m = self.real.measure(batch_size, cold=True)
-        self.real_peaks.append(m.peak_bytes)
+        self.real.measure(batch_size, cold=True)
         self.runs += 1
         self.plain_ran = True
 

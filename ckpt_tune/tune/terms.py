@@ -275,10 +275,7 @@ class TermStore(ProbeSteps):
         """One recorded iteration of a plan at full depth (the verification, here or beside the probes
         in a forked process): recorded per module where the sharding arithmetic needs the moments."""
         runner = runner or self.runner
-        m = runner.measure(
+        return runner.measure(
             batch_size, checkpoint=list(names), units=self.units, attribute=self.sharding == "arithmetic", accum_steps=self.accum_steps
         )
-        if runner is self.real and self.real is not self.runner:
-            self.real_peaks.append(m.peak_bytes)
-        return m
 
