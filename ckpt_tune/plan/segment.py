@@ -54,6 +54,23 @@ def _is_fake(t: torch.Tensor) -> bool:
     return type(t).__name__ == "FakeTensor"
 
 
+def _inside_a_checkpoint() -> bool:
+    """Whether this call runs inside a region of `torch.utils.checkpoint` (its forward or its
+    recompute): the model's own checkpoint call around a block, whose region ends when that block
+    returns. A segment's region opened there would end after it, and saved-tensor hooks, a stack, must
+    end in the order they began."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = top(True) if top is not None else None
+    name = getattr(hooks[0], "__qualname__", "") if hooks else ""
+    return name.startswith(("_checkpoint_hook.", "_recomputation_hook."))
+
+
+def _in_backward() -> bool:
+    """Whether this runs inside a backward pass (a reentrant checkpoint's recompute)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
 def available() -> bool:
     """Whether this torch has the non-reentrant checkpoint generator segments are built on."""
     return callable(getattr(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator", None))
@@ -109,12 +126,15 @@ class Segment:
             self.hook = root.register_forward_hook(self._after_forward, always_call=True)
 
     def unwrap(self) -> None:
-        self.close()
-        if self.hook is not None:
-            self.hook.remove()
-            self.hook = None
-        for block in self.blocks:
-            unwrap_segment_block(block)
+        """Close a region left open and undo `wrap`: the blocks are unwrapped even where closing fails."""
+        try:
+            self.close()
+        finally:
+            if self.hook is not None:
+                self.hook.remove()
+                self.hook = None
+            for block in self.blocks:
+                unwrap_segment_block(block)
 
     def _after_forward(self, module, args, output) -> None:
         if self.region is not None:
@@ -143,6 +163,12 @@ class Segment:
         try:
             if pos == 0:
                 self.close()  # a region an earlier forward left open
+                if _inside_a_checkpoint():
+                    raise RuntimeError(
+                        f"checkpoint {self.name}: its first block runs inside a checkpoint the model makes itself "
+                        "(torch.utils.checkpoint), which ends before the segment's last block: checkpoint these "
+                        "blocks one by one"
+                    )
                 # the arguments as they are now: containers copied, so a list the caller grows later
                 # or the block changes in place reaches the recompute as it was (docs/design.md §5)
                 called, called_kwargs = pytree.tree_map(lambda x: x, (args, kwargs))
@@ -221,7 +247,9 @@ def _ckpt_segment_forward(self: nn.Module, *args, **kwargs):
     """The instance forward of a block in a segment (bound with MethodType). Whether the segment is
     checkpointed is decided at its first block; while its region is open every block goes through it."""
     segment, pos = self.__dict__[SEGMENT_ATTR]
-    if segment.region is not None or (pos == 0 and self.training and torch.is_grad_enabled()):
+    # not in backward: a reentrant checkpoint's recompute of the first block, whose forward ran without
+    # grad and so without the segment, runs it as that forward did
+    if segment.region is not None or (pos == 0 and self.training and torch.is_grad_enabled() and not _in_backward()):
         return segment.call(pos, args, kwargs)
     return inner_forward(self)(*args, **kwargs)
 

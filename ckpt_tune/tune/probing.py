@@ -298,7 +298,10 @@ class ProbeSteps(SearchState):
         failure there."""
         b, names, choice = plan
         if self._fake_beside(choice):  # a Measurement, for `_speculated`
-            return self._measure_plan(b, names, self.runner)
+            try:
+                return self._measure_plan(b, names, self.runner)
+            except Exception:  # the plan is run again where the search chooses it, which drops what failed
+                return None
         if self.real is not self.runner:
             self._say(f"recording batch {b} with {len(names)} checkpoints under fake tensors, while the probes at that batch run")
             self.runs += 1

@@ -301,6 +301,9 @@ class Searcher(Ordering, StepCosts, TermStore, EveryBlockFloor, Verdicts):
         if not (runs or groups or finer):
             return False
         if runs or groups:
+            # what failed, not the user's function it failed in (session.user_errors words the call)
+            while isinstance(error.__cause__, Exception):
+                error = error.__cause__
             self._forbid_segments(runs + groups, first_line(error))
         for k in finer:
             self._drop_option(self.options[k], error)

@@ -189,8 +189,9 @@ class TermStore(ProbeSteps):
         self.probed[batch_size] = replace(t, segments={k: v for k, v in t.segments.items() if v.measured})
 
     def _forbid_segments(self, segs: list[tuple[int, int]], why: str) -> None:
-        """Drop segments whose recompute did not repeat the forward (code between their blocks saved
-        tensors for backward): every segment spanning the same blocks' links goes."""
+        """Drop segments a step with them failed in (their recompute did not repeat the forward, as code
+        between their blocks saved tensors for backward; their first block runs inside the model's own
+        checkpoint call): every segment spanning the same blocks' links goes."""
         links = {k for i, j in segs for k in range(i + 1, j + 1)}
         failed_groups = {key for key in segs if key in self.spans}
         for key in failed_groups:
@@ -207,7 +208,7 @@ class TermStore(ProbeSteps):
             for k in [k for k in known if k not in keep]:
                 del known[k]
         names = ", ".join(f"{self.units[i]}..{self.units[j]}" for i, j in segs)
-        self.notes.append(f"segments {names} dropped: their recompute did not repeat the forward ({why.splitlines()[0][:120]})")
+        self.notes.append(f"segments {names} dropped: a step with them failed ({why.splitlines()[0][:160]})")
 
     def fitted(self, batch_size: int, b1: int, b2: int) -> Terms:
         if batch_size in self.probed or batch_size in (b1, b2):
