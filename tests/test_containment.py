@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ckpt_tune
-from ckpt_tune.errors import LimitationError, UserCodeError
+from ckpt_tune.errors import LimitationError, PlanError, UserCodeError
 from ckpt_tune.measure.session import Settings
 from ckpt_tune.tune.candidates import call_chain, find_blocks
 from tests.assets.targets import others
@@ -292,3 +292,38 @@ def test_a_module_that_changes_its_input_in_place_is_refused_before_it_runs() ->
         res = s.search(1 << 20, batch_size=4)
     assert s.units == ("blocks.0", "blocks.1", "blocks.2")
     assert any("change their input in place" in n and "classifier" in n for n in res.notes)
+
+
+def test_a_segment_cannot_start_inside_the_models_own_checkpoint_and_leaves_torch_as_it_was() -> None:
+    """A segment opened in a block the model checkpoints itself would end after that checkpoint's region:
+    saved-tensor hooks, a stack, would end out of order (torch's internal assert, and every later step of
+    the process broken). It is refused before it opens; the next steps run; a search drops the segments
+    with a note and answers a plan verified within the budget."""
+    model = others.self_checkpointed()
+    ckpt_tune.apply(model, [["blocks.0", "blocks.1"]])
+    with pytest.raises(RuntimeError, match="inside a checkpoint the model makes itself"):
+        model(*others.wide_batch(4)).backward()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
+    _same_step(others.self_checkpointed, others.wide_batch(4), ["blocks.0", "blocks.2"])
+    budget = 3 << 20
+    out = ckpt_tune.search(f"{OTHERS}:self_checkpointed", vram=str(budget), settings=Settings(device="cpu", batch_fn=f"{OTHERS}:wide_batch"))
+    assert out.plan.verified_peak_bytes <= budget
+    real = measured_peak(others.self_checkpointed, others.wide_batch, _loss, out.plan.batch_size, checkpoint=out.plan.checkpoint)
+    assert real <= budget
+
+
+@pytest.mark.hf
+def test_a_model_with_hugging_faces_own_checkpointing_on_is_searched_with_it_off_and_told() -> None:
+    """The user turned on Hugging Face's gradient checkpointing and still runs out of memory: the search
+    plans with it off (a plan replaces it; applied over it, a layer would be checkpointed twice) and says so."""
+    pytest.importorskip("transformers")
+    budget = 40 << 20
+    out = ckpt_tune.search(f"{OTHERS}:gpt2_checkpointed", vram=str(budget), settings=Settings(device="cpu", batch_fn=f"{OTHERS}:tokens_batch"))
+    assert out.plan.verified_peak_bytes <= budget
+    assert any(n.startswith("Hugging Face gradient checkpointing was on") for n in out.result.notes), out.result.notes
+    model = others.gpt2_checkpointed()
+    with pytest.raises(PlanError, match="gradient_checkpointing_disable"):
+        ckpt_tune.apply(model, out.plan.checkpoint)
+    model.gradient_checkpointing_disable()
+    real = measured_peak(others.gpt2, others.tokens_batch, _loss, out.plan.batch_size, checkpoint=out.plan.checkpoint)
+    assert real <= budget

@@ -125,6 +125,21 @@ def _refuse_hf_checkpointing_overlap(model: nn.Module, found: dict[str, nn.Modul
                 )
 
 
+@contextlib.contextmanager
+def hf_checkpointing_paused(model: nn.Module):
+    """Hugging Face's own gradient checkpointing off while a plan is searched for the model (a plan
+    replaces it; `apply` refuses to checkpoint a layer twice over), the flags back as they were after:
+    yields the names of the modules whose `gradient_checkpointing` was on ([] where none was)."""
+    on = [(name, m) for name, m in model.named_modules() if getattr(m, "gradient_checkpointing", None) is True]
+    for _name, m in on:
+        m.gradient_checkpointing = False
+    try:
+        yield [name or "(the model)" for name, _m in on]
+    finally:
+        for _name, m in on:
+            m.gradient_checkpointing = True
+
+
 def _turn_off_use_cache(model: nn.Module) -> None:
     """Hugging Face models: the recompute would append to the KV cache a second time, so training under
     checkpointing needs `config.use_cache = False` (what HF's own gradient checkpointing asks for).

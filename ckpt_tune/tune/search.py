@@ -25,6 +25,7 @@ from ckpt_tune.measure.device import Budget, parse_budget, resolve_device
 from ckpt_tune.measure.fake import as_fake_mode_error
 from ckpt_tune.measure.loader import Target
 from ckpt_tune.measure.session import Settings, build_runner, fake_twin, load, run_of, user_errors
+from ckpt_tune.plan.apply import hf_checkpointing_paused
 from ckpt_tune.plan.file import FULLY_SHARDED, Plan
 from ckpt_tune.plan.kinds import KINDS
 from ckpt_tune.tune.candidates import find_blocks
@@ -91,6 +92,12 @@ def search(
     if target_batch is not None and batch_size is None:
         fixed = None
     with user_errors("searching"), runner, contextlib.ExitStack() as stack:
+        hf_on = stack.enter_context(hf_checkpointing_paused(model))
+
+        def twin():
+            probes = stack.enter_context(fake_twin(t, step))
+            stack.enter_context(hf_checkpointing_paused(probes.model))
+            return probes
 
         def searched(kinds: frozenset[str] | None) -> tuple[Searcher, SearchResult]:
             def searcher_over(probe_runner, real=None) -> Searcher:
@@ -101,7 +108,7 @@ def search(
 
             searcher, res, why = None, None, None
             if fake_probes and device in ("cpu", "cuda") and world_size == 1:
-                searcher, res, why = _fake_probed(lambda: searcher_over(stack.enter_context(fake_twin(t, step)), runner), budget.usable_bytes, fixed)
+                searcher, res, why = _fake_probed(lambda: searcher_over(twin(), runner), budget.usable_bytes, fixed)
             if res is None:
                 searcher = searcher_over(runner)
                 res = searcher.search(budget.usable_bytes, batch_size=fixed)
@@ -123,6 +130,11 @@ def search(
             for r in res.frontier
         ]
         res.notes.extend(n for n in runner.notes if n not in res.notes)
+        if hf_on:
+            res.notes.append(
+                f"Hugging Face gradient checkpointing was on ({len(hf_on)} modules, first {hf_on[0]}): searched with it off, "
+                "which the plan replaces: call model.gradient_checkpointing_disable() before applying the plan"
+            )
         res.stage_seconds = {"build": built_s, **searcher.stage_seconds}
     plan = Plan(
         target=t.spec,

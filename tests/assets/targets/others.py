@@ -7,12 +7,16 @@
 - `aux_heads`: GoogLeNet's pattern, heads whose outputs the loss does not use (their graph is dropped
   after the forward, never backwarded).
 - `looped`: a recurrent-depth model (HRM's pattern): its repeated blocks each run twice per step.
+- `gpt2_checkpointed`: that GPT-2 with Hugging Face's own gradient checkpointing turned on by the user.
+- `self_checkpointed`: blocks with a custom autograd.Function, the first of which the model checkpoints
+  itself (`torch.utils.checkpoint` around the block's call).
 - `late_batch`: a model whose make_batch fails from batch 3 on (the user's error, at a batch the search
   reaches after its first step).
 """
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -93,6 +97,50 @@ def tokens_batch(batch_size: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 512, (batch_size, 32), generator=g)
     return {"input_ids": ids, "labels": ids}
+
+
+def gpt2_checkpointed() -> nn.Module:
+    model = gpt2()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+class _Swish(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return g * s * (1 + x * (1 - s))
+
+
+class _SwishBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(_Swish.apply(self.fc1(self.norm(x))))
+
+
+class SelfCheckpointed(nn.Module):
+    def __init__(self, d: int = 32, n: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_SwishBlock(d) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, b in enumerate(self.blocks):
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False) if i == 0 else b(x)
+        return x.square().mean()
+
+
+def self_checkpointed() -> nn.Module:
+    torch.manual_seed(0)
+    return SelfCheckpointed()
 
 
 class Chain(nn.Module):
@@ -329,3 +377,8 @@ def range_tracked() -> nn.Module:
 
 def looped_batch(batch_size: int) -> tuple[torch.Tensor]:
     return (torch.randn(batch_size, 32, generator=torch.Generator().manual_seed(0)),)
+
+
+def wide_batch(batch_size: int) -> tuple[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(batch_size, 64, 32, generator=g),)
