@@ -327,3 +327,13 @@ def test_a_model_with_hugging_faces_own_checkpointing_on_is_searched_with_it_off
     model.gradient_checkpointing_disable()
     real = measured_peak(others.gpt2, others.tokens_batch, _loss, out.plan.batch_size, checkpoint=out.plan.checkpoint)
     assert real <= budget
+
+
+@pytest.mark.hf
+def test_diagnose_records_todays_step_with_hugging_faces_checkpointing_and_plans_without_it() -> None:
+    pytest.importorskip("transformers")
+    on = ckpt_tune.diagnose(f"{OTHERS}:gpt2_checkpointed", vram="4MiB", settings=Settings(device="cpu", batch_fn=f"{OTHERS}:tokens_batch"))
+    off = ckpt_tune.diagnose(f"{OTHERS}:gpt2", vram="4MiB", settings=Settings(device="cpu", batch_fn=f"{OTHERS}:tokens_batch"))
+    assert on.profile.peak_bytes < off.profile.peak_bytes  # today's step: Hugging Face's checkpointing on
+    assert any(n.startswith("Hugging Face gradient checkpointing is on") for n in on.notes), on.notes
+    assert any(r.kind == "checkpoint" for r in on.remedies), [r.kind for r in on.remedies]
