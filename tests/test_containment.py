@@ -337,3 +337,19 @@ def test_diagnose_records_todays_step_with_hugging_faces_checkpointing_and_plans
     assert on.profile.peak_bytes < off.profile.peak_bytes  # today's step: Hugging Face's checkpointing on
     assert any(n.startswith("Hugging Face gradient checkpointing is on") for n in on.notes), on.notes
     assert any(r.kind == "checkpoint" for r in on.remedies), [r.kind for r in on.remedies]
+
+
+@pytest.mark.hf
+def test_the_closest_launcher_layout_of_a_model_with_hugging_faces_checkpointing_on_is_measured() -> None:
+    """`--emit` measures the closest layout TrainingArguments can express (the plan's sub-modules are not
+    one) on a model built again from the target, Hugging Face's checkpointing off as the search ran."""
+    pytest.importorskip("transformers")
+    from ckpt_tune.tune.launchers import emit
+
+    settings = Settings(device="cpu", batch_fn=f"{OTHERS}:tokens_batch")
+    out = ckpt_tune.search(f"{OTHERS}:gpt2_checkpointed", vram=str(40 << 20), settings=settings, candidates=frozenset({"submodules"}))
+    e = emit(out.plan, "hf-args", f"{OTHERS}:gpt2_checkpointed", settings)
+    assert e.measured
+    assert not e.expressed.exact
+    closest = e.expressed.closest.checkpoint
+    assert e.peak_bytes == measured_peak(others.gpt2, others.tokens_batch, _loss, out.plan.batch_size, checkpoint=closest)
