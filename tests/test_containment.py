@@ -353,3 +353,18 @@ def test_the_closest_launcher_layout_of_a_model_with_hugging_faces_checkpointing
     assert not e.expressed.exact
     closest = e.expressed.closest.checkpoint
     assert e.peak_bytes == measured_peak(others.gpt2, others.tokens_batch, _loss, out.plan.batch_size, checkpoint=closest)
+
+
+def test_torchscript_blocks_are_profiled_and_searched_without_being_candidates() -> None:
+    """torch refuses hooks on a TorchScript module and its forward cannot be replaced: the step is
+    recorded without marking it (it used to stop as "the training step raised"), and the search plans
+    what it can, with a note."""
+    settings = Settings(device="cpu", batch_fn=f"{OTHERS}:wide_batch")
+    prof = ckpt_tune.profile(f"{OTHERS}:scripted", batch_size=4, settings=settings)
+    assert prof.peak_bytes > 0
+    budget = 3 << 20
+    out = ckpt_tune.search(f"{OTHERS}:scripted", vram=str(budget), settings=settings)
+    assert not out.plan.checkpoint
+    assert out.plan.verified_peak_bytes <= budget
+    assert any(n.startswith("TorchScript modules are not candidates") for n in out.result.notes), out.result.notes
+    assert measured_peak(others.scripted, others.wide_batch, _loss, out.plan.batch_size) <= budget

@@ -39,7 +39,7 @@ class Instrument:
 
     def install(self) -> None:
         for mod, name in self.names.items():
-            if name in self.marked or (self.attribute and mod is self.model):
+            if hookable(mod) and (name in self.marked or (self.attribute and mod is self.model)):
                 self.handles.append(mod.register_forward_pre_hook(self._pre(name), with_kwargs=True))
                 self.handles.append(mod.register_forward_hook(self._post(name), with_kwargs=True))
         if self.attribute:
@@ -122,6 +122,13 @@ class Instrument:
             self.grad_ptrs.append(fake.fake_storage_key(local_tensor(p.grad)))
 
 
+def hookable(module: nn.Module) -> bool:
+    """Whether the module takes forward hooks and an instance forward: not a TorchScript module
+    (`torch.jit.script`), whose hooks torch refuses and whose forward cannot be replaced, so a step
+    neither marks it nor checkpoints it (tune/candidates.py)."""
+    return not isinstance(module, torch.jit.ScriptModule)
+
+
 def recomputing() -> bool:
     """True while backward runs a forward again: a checkpointed module's recompute calls the marked
     blocks inside it a second time, which is not a step of the forward (docs/design.md §4)."""
@@ -144,6 +151,8 @@ class ForwardClock:
 
     def install(self) -> None:
         for mod, name in self.names.items():
+            if not hookable(mod):
+                continue
             self.handles.append(mod.register_forward_pre_hook(self._pre(name)))
             self.handles.append(mod.register_forward_hook(self._post(name)))
 

@@ -22,6 +22,8 @@ from collections.abc import Callable
 
 from torch import nn
 
+from ckpt_tune.measure.instrument import hookable
+
 
 def _all_blocks(model: nn.Module) -> list[str]:
     """Names of every block at every nesting level, in registration order: children of containers
@@ -32,7 +34,11 @@ def _all_blocks(model: nn.Module) -> list[str]:
     more than a stack of layers (`_is_block_like`): a ResNet stage's residual blocks are, the
     conv-norm-activation layers of a MobileNet block and the two Linears of an MLP are not. Whether they also
     form a chain is seen when the step runs (`chain_of`)."""
-    containers = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential, nn.ModuleDict))]
+    scripted = scripted_modules(model)  # TorchScript: never wrapped
+    containers = [
+        (n, m) for n, m in model.named_modules()
+        if isinstance(m, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) and not any(n == s or _inside(n, s) for s in scripted)
+    ]
     # a type repeats across the model's containers: diffusers' down blocks hold one ResNet block each
     every = Counter(type(c) for _, m in containers for c in m.children())
     found: list[str] = []
@@ -47,7 +53,7 @@ def _all_blocks(model: nn.Module) -> list[str]:
         for cname, child in children:
             # a block that is itself a container (a Sequential block) counts its own children only
             seen = types.count(type(child)) if name in found else every[type(child)]
-            if seen >= 2 and any(True for _ in child.parameters()):
+            if seen >= 2 and hookable(child) and any(True for _ in child.parameters()):
                 found.append(f"{name}.{cname}" if name else cname)
     order = {n: i for i, (n, _) in enumerate(model.named_modules())}
     return sorted(found, key=order.__getitem__)
@@ -59,6 +65,16 @@ def _is_block_like(module: nn.Module) -> bool:
     if not children:
         return False
     return not (isinstance(module, nn.Sequential) and all(not any(True for _ in c.children()) for c in children))
+
+
+def scripted_modules(model: nn.Module) -> list[str]:
+    """The outermost TorchScript modules below the root (`torch.jit.script`), in registration order:
+    no module in them is a candidate (measure/instrument.py `hookable`)."""
+    found: list[str] = []
+    for name, mod in model.named_modules():
+        if name and not hookable(mod) and not any(_inside(name, f) for f in found):
+            found.append(name)
+    return found
 
 
 def _inside(name: str, group: str) -> bool:
@@ -88,7 +104,7 @@ def with_parameters(model: nn.Module) -> list[str]:
     found: list[str] = []
     stacks: list[str] = []
     for name, mod in model.named_modules():
-        if not name or any(_inside(name, s) for s in stacks):
+        if not name or any(_inside(name, s) for s in stacks) or not hookable(mod):
             continue
         if any(p.requires_grad for p in mod.parameters()):
             found.append(name)

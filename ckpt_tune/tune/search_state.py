@@ -28,7 +28,7 @@ from ckpt_tune.plan.entry import Entry
 from ckpt_tune.plan.file import FULLY_SHARDED
 from ckpt_tune.plan.kinds import KINDS, RECOMPUTE, kind_of
 from ckpt_tune.plan.segment import available as segment_available
-from ckpt_tune.tune.candidates import find_blocks, find_groups, outside, with_parameters
+from ckpt_tune.tune.candidates import find_blocks, find_groups, outside, scripted_modules, with_parameters
 from ckpt_tune.tune.memory_model import (
     RunCut,
     SegmentTerms,
@@ -114,6 +114,10 @@ class SearchState:
         self._looping: tuple[str, ...] = ()  # modules run more than once, outside every unit
         self.b1, self.b2 = 1, 4  # the two small batch sizes every search probes
         self.notes: list[str] = []
+        scripted = scripted_modules(runner.model) if units is None else []
+        if scripted:
+            more = f" and {len(scripted) - 3} more" if len(scripted) > 3 else ""
+            self.notes.append(f"TorchScript modules are not candidates (torch refuses their hooks and a new forward): {', '.join(scripted[:3])}{more}")
         if self.shard in FULLY_SHARDED and self.use_segments:
             # a segment's recompute calls its blocks' forwards without FSDP's pre-forward hooks
             self.use_segments = False

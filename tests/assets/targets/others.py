@@ -10,6 +10,7 @@
 - `gpt2_checkpointed`: that GPT-2 with Hugging Face's own gradient checkpointing turned on by the user.
 - `self_checkpointed`: blocks with a custom autograd.Function, the first of which the model checkpoints
   itself (`torch.utils.checkpoint` around the block's call).
+- `scripted`: blocks compiled with `torch.jit.script` (no hooks, no instance forward).
 - `late_batch`: a model whose make_batch fails from batch 3 on (the user's error, at a batch the search
   reaches after its first step).
 """
@@ -382,3 +383,28 @@ def looped_batch(batch_size: int) -> tuple[torch.Tensor]:
 def wide_batch(batch_size: int) -> tuple[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return (torch.randn(batch_size, 64, 32, generator=g),)
+
+
+class _MlpBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
+
+
+class Scripted(nn.Module):
+    def __init__(self, d: int = 32, n: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(torch.jit.script(_MlpBlock(d)) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x.square().mean()
+
+
+def scripted() -> nn.Module:
+    torch.manual_seed(0)
+    return Scripted()
