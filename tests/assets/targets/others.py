@@ -119,19 +119,35 @@ class _Swish(torch.autograd.Function):
         return g * s * (1 + x * (1 - s))
 
 
-class _SwishBlock(nn.Module):
+class _MlpBlock(nn.Module):
     def __init__(self, d: int) -> None:
         super().__init__()
         self.norm, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(_Swish.apply(self.fc1(self.norm(x))))
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+    def act(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x)
 
 
-class SelfCheckpointed(nn.Module):
-    def __init__(self, d: int = 32, n: int = 4) -> None:
+class _SwishBlock(_MlpBlock):
+    def act(self, x: torch.Tensor) -> torch.Tensor:
+        return _Swish.apply(x)
+
+
+class _Blocks(nn.Module):
+    def __init__(self, block, d: int = 32, n: int = 4) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(_SwishBlock(d) for _ in range(n))
+        self.blocks = nn.ModuleList(block(d) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Chain.forward(self, x)
+
+
+class SelfCheckpointed(_Blocks):
+    def __init__(self) -> None:
+        super().__init__(_SwishBlock)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, b in enumerate(self.blocks):
@@ -385,24 +401,9 @@ def wide_batch(batch_size: int) -> tuple[torch.Tensor]:
     return (torch.randn(batch_size, 64, 32, generator=g),)
 
 
-class _MlpBlock(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.norm, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
-
-
-class Scripted(nn.Module):
-    def __init__(self, d: int = 32, n: int = 4) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(torch.jit.script(_MlpBlock(d)) for _ in range(n))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = b(x)
-        return x.square().mean()
+class Scripted(_Blocks):
+    def __init__(self) -> None:
+        super().__init__(lambda d: torch.jit.script(_MlpBlock(d)))
 
 
 def scripted() -> nn.Module:
