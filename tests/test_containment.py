@@ -329,6 +329,26 @@ def test_a_model_with_hugging_faces_own_checkpointing_on_is_searched_with_it_off
     assert real <= budget
 
 
+def test_a_model_with_timms_own_checkpointing_on_is_searched_with_it_off_and_told() -> None:
+    """timm's `set_grad_checkpointing(True)` runs the blocks under `checkpoint_seq`: the search turns the
+    flag off (no segment could start inside it), gives it back after, and says so."""
+    pytest.importorskip("timm")
+    settings = Settings(device="cpu", batch_fn=f"{OTHERS}:images_batch", loss_fn=f"{OTHERS}:images_loss")
+    budget = 40 << 20
+    out = ckpt_tune.search(f"{OTHERS}:timm_checkpointed", vram=str(budget), settings=settings)
+    assert out.plan.verified_peak_bytes <= budget
+    assert any(n.startswith("timm's gradient checkpointing was on") and "set_grad_checkpointing(False)" in n for n in out.result.notes), out.result.notes
+    assert not any("dropped" in n for n in out.result.notes), out.result.notes
+
+    def unchecked():
+        model = others.timm_checkpointed()
+        model.set_grad_checkpointing(False)
+        return model
+
+    real = measured_peak(unchecked, others.images_batch, others.images_loss, out.plan.batch_size, checkpoint=out.plan.checkpoint)
+    assert real == out.plan.verified_peak_bytes
+
+
 @pytest.mark.hf
 def test_diagnose_records_todays_step_with_hugging_faces_checkpointing_and_plans_without_it() -> None:
     pytest.importorskip("transformers")

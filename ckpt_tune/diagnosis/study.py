@@ -24,7 +24,7 @@ from ckpt_tune.measure.device import Budget
 from ckpt_tune.measure.profiler import StepProfile, build_profile, module_records
 from ckpt_tune.measure.runner import StepRunner, StepSettings
 from ckpt_tune.measure.tensors import unique_bytes
-from ckpt_tune.plan.apply import hf_checkpointing_paused
+from ckpt_tune.plan.apply import own_checkpointing_paused
 from ckpt_tune.plan.entry import Entry
 from ckpt_tune.tune.memory_model import Terms
 from ckpt_tune.tune.moments import moments_of
@@ -165,14 +165,10 @@ class Study:
             self.prof = replace(self.prof, measured_by=f"{self.prof.measured_by}; rank 0 of {self.n} under {self.shard} "
                                 f"({engine}, a fake process group: measure/sharded.py)")
         self.raw[(b, ())] = moments_of(m)
-        # today's step as the user runs it, recorded; the checkpoint plans replace Hugging Face's own
-        # checkpointing, off from here while the runner is open (`apply` refuses a layer twice over)
-        hf_on = self._held.enter_context(hf_checkpointing_paused(self.model))
-        if hf_on:
-            self.notes.append(
-                f"Hugging Face gradient checkpointing is on ({len(hf_on)} modules, first {hf_on[0]}): today's step was "
-                "recorded with it; the checkpoint plans replace it: call model.gradient_checkpointing_disable() before applying one"
-            )
+        # today's step as the user runs it, recorded; the checkpoint plans replace a library's own
+        # checkpointing, off from here while the runner is open (plan/apply.py own_checkpointing_paused)
+        paused = self._held.enter_context(own_checkpointing_paused(self.model))
+        self.notes.extend(p.note(recorded_with_it=True) for p in paused)
         # a sharded runner's steps are rank 0's already: the searcher plans on them as they are
         n, shard = (self.n, self.shard) if self.sharding == "measured" else (1, "none")
         self.searcher = Searcher(self.runner, progress=self.say, world_size=n, shard=shard)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ckpt_tune.errors import CkptTuneError
-from ckpt_tune.plan.apply import applied_names, apply
+from ckpt_tune.plan.apply import HF_CHECKPOINTING, applied_names, apply
 from ckpt_tune.plan.entry import member_names
 from ckpt_tune.plan.file import Plan, load_plan
 from ckpt_tune.vocab import PRECISIONS, SHARDS
@@ -311,9 +311,8 @@ def _hf_checkpointing_off(model: nn.Module, args: Any) -> _Saved:
     """Hugging Face activation checkpointing off: the Trainer's switch (it calls
     `activation_checkpointing_enable()` when `train()` starts) and the per-layer flags a model already
     enabled carries, set to False as `activation_checkpointing_disable()` sets them."""
-    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", None) is True]
-    for m in layers:
-        m.gradient_checkpointing = False
+    layers = [m for _name, m in HF_CHECKPOINTING.modules(model)]
+    HF_CHECKPOINTING.switch(layers, False)
     saved = {k: getattr(args, k) for k in ("activation_checkpointing", "gradient_checkpointing") if getattr(args, k, None)}
     for k in saved:
         setattr(args, k, False)
@@ -321,7 +320,6 @@ def _hf_checkpointing_off(model: nn.Module, args: Any) -> _Saved:
 
 
 def _restore(saved: _Saved, args: Any) -> None:
-    for m in saved.layers:
-        m.gradient_checkpointing = True
+    HF_CHECKPOINTING.switch(saved.layers, True)
     for k, v in saved.args.items():
         setattr(args, k, v)

@@ -11,9 +11,10 @@ either.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from torch import nn
@@ -112,7 +113,7 @@ def _refuse_hf_checkpointing_overlap(model: nn.Module, found: dict[str, nn.Modul
     hf_on = [
         name
         for name, m in model.named_modules()
-        if getattr(m, "gradient_checkpointing", None) is True
+        if getattr(m, HF_CHECKPOINTING.flag, None) is True
         and any(cls.__name__ == "GradientCheckpointingLayer" for cls in type(m).__mro__)
     ]
     for name in found:
@@ -121,23 +122,64 @@ def _refuse_hf_checkpointing_overlap(model: nn.Module, found: dict[str, nn.Modul
                 raise PlanError(
                     f"Hugging Face gradient checkpointing is already on for {layer!r}, "
                     f"so checkpointing {name!r} as well would recompute it twice",
-                    hint="call model.gradient_checkpointing_disable() before applying the plan",
+                    hint=f"call {HF_CHECKPOINTING.off} before applying the plan",
                 )
 
 
+@dataclasses.dataclass(frozen=True)
+class OwnCheckpointing:
+    """A library's own activation checkpointing, switched by a boolean attribute on its modules that
+    their forward reads at each call (docs/design.md §7)."""
+
+    flag: str
+    library: str
+    off: str  # the user's call that turns it off
+
+    def modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """(name, module) of each module of `model` whose flag is on."""
+        return [(name or "(the model)", m) for name, m in model.named_modules() if getattr(m, self.flag, None) is True]
+
+    def switch(self, modules: Sequence[nn.Module], on: bool) -> None:
+        for m in modules:
+            setattr(m, self.flag, on)
+
+
+HF_CHECKPOINTING = OwnCheckpointing("gradient_checkpointing", "Hugging Face gradient checkpointing", "model.gradient_checkpointing_disable()")
+TIMM_CHECKPOINTING = OwnCheckpointing("grad_checkpointing", "timm's gradient checkpointing", "model.set_grad_checkpointing(False)")
+OWN_CHECKPOINTING = (HF_CHECKPOINTING, TIMM_CHECKPOINTING)
+
+
+@dataclasses.dataclass(frozen=True)
+class Paused:
+    """A library's checkpointing that was on, and the modules whose flag `own_checkpointing_paused` turned off."""
+
+    own: OwnCheckpointing
+    names: tuple[str, ...]
+
+    def note(self, recorded_with_it: bool = False) -> str:
+        """The note a command gives: searched with it off (`recorded_with_it`: today's step was recorded
+        with it on, the plans without)."""
+        on = f"({len(self.names)} modules, first {self.names[0]})"
+        if recorded_with_it:
+            return (f"{self.own.library} is on {on}: today's step was recorded with it; the checkpoint plans "
+                    f"replace it: call {self.own.off} before applying one")
+        return f"{self.own.library} was on {on}: searched with it off, which the plan replaces: call {self.own.off} before applying the plan"
+
+
 @contextlib.contextmanager
-def hf_checkpointing_paused(model: nn.Module):
-    """Hugging Face's own gradient checkpointing off while a plan is searched for the model (a plan
-    replaces it; `apply` refuses to checkpoint a layer twice over), the flags back as they were after:
-    yields the names of the modules whose `gradient_checkpointing` was on ([] where none was)."""
-    on = [(name, m) for name, m in model.named_modules() if getattr(m, "gradient_checkpointing", None) is True]
-    for _name, m in on:
-        m.gradient_checkpointing = False
+def own_checkpointing_paused(model: nn.Module) -> Iterator[list[Paused]]:
+    """A library's own activation checkpointing (Hugging Face's, timm's) off while a plan is searched for
+    the model: a plan replaces it, `apply` refuses to checkpoint a Hugging Face layer twice over, and no
+    segment can start inside a checkpoint the model makes itself (plan/segment.py). The flags are back as
+    they were after. Yields what was on ([] where nothing was)."""
+    on = [(own, mods) for own in OWN_CHECKPOINTING if (mods := own.modules(model))]
+    for own, mods in on:
+        own.switch([m for _n, m in mods], False)
     try:
-        yield [name or "(the model)" for name, _m in on]
+        yield [Paused(own, tuple(n for n, _m in mods)) for own, mods in on]
     finally:
-        for _name, m in on:
-            m.gradient_checkpointing = True
+        for own, mods in on:
+            own.switch([m for _n, m in mods], True)
 
 
 def _turn_off_use_cache(model: nn.Module) -> None:

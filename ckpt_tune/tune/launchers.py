@@ -25,7 +25,7 @@ from torch import nn
 from ckpt_tune.measure.host import HostGuard
 from ckpt_tune.measure.loader import Target
 from ckpt_tune.measure.session import Settings, build_runner, load, user_errors
-from ckpt_tune.plan.apply import hf_checkpointing_paused
+from ckpt_tune.plan.apply import own_checkpointing_paused
 from ckpt_tune.plan.file import Plan
 from ckpt_tune.plan.launchers import LAUNCHERS, Expressed, HfApi, Layers, closest, peak_line, render, runs_as
 from ckpt_tune.tune.candidates import find_blocks
@@ -100,8 +100,8 @@ def emit(
     expressed = closest(plan, launcher, Layers(tuple(find_blocks(model)), hf_layers(model)), hf)
     peak, measured, fake = plan.verified_peak_bytes, False, False
     if not expressed.exact or peak is None:
-        # the layout measured as the plan's modules, Hugging Face's own checkpointing off (as `search` ran)
-        with user_errors(f"the step of the closest {launcher} layout"), runner, hf_checkpointing_paused(model):
+        # the layout measured as the plan's modules, a library's own checkpointing off (as `search` ran)
+        with user_errors(f"the step of the closest {launcher} layout"), runner, own_checkpointing_paused(model):
             searcher = Searcher(runner, progress=progress, world_size=plan.world_size, shard=shard, segments=False)
             searcher.accum_steps = plan.grad_accum_steps
             peak = searcher.verify(plan.batch_size, expressed.closest.checkpoint)

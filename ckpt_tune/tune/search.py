@@ -25,7 +25,7 @@ from ckpt_tune.measure.device import Budget, parse_budget, resolve_device
 from ckpt_tune.measure.fake import as_fake_mode_error
 from ckpt_tune.measure.loader import Target
 from ckpt_tune.measure.session import Settings, build_runner, fake_twin, load, run_of, user_errors
-from ckpt_tune.plan.apply import hf_checkpointing_paused
+from ckpt_tune.plan.apply import own_checkpointing_paused
 from ckpt_tune.plan.file import FULLY_SHARDED, Plan
 from ckpt_tune.plan.kinds import KINDS
 from ckpt_tune.tune.candidates import find_blocks
@@ -92,11 +92,11 @@ def search(
     if target_batch is not None and batch_size is None:
         fixed = None
     with user_errors("searching"), runner, contextlib.ExitStack() as stack:
-        hf_on = stack.enter_context(hf_checkpointing_paused(model))
+        paused = stack.enter_context(own_checkpointing_paused(model))
 
         def twin():
             probes = stack.enter_context(fake_twin(t, step))
-            stack.enter_context(hf_checkpointing_paused(probes.model))
+            stack.enter_context(own_checkpointing_paused(probes.model))
             return probes
 
         def searched(kinds: frozenset[str] | None) -> tuple[Searcher, SearchResult]:
@@ -130,11 +130,7 @@ def search(
             for r in res.frontier
         ]
         res.notes.extend(n for n in runner.notes if n not in res.notes)
-        if hf_on:
-            res.notes.append(
-                f"Hugging Face gradient checkpointing was on ({len(hf_on)} modules, first {hf_on[0]}): searched with it off, "
-                "which the plan replaces: call model.gradient_checkpointing_disable() before applying the plan"
-            )
+        res.notes.extend(p.note() for p in paused)
         res.stage_seconds = {"build": built_s, **searcher.stage_seconds}
     plan = Plan(
         target=t.spec,

@@ -8,6 +8,8 @@
   after the forward, never backwarded).
 - `looped`: a recurrent-depth model (HRM's pattern): its repeated blocks each run twice per step.
 - `gpt2_checkpointed`: that GPT-2 with Hugging Face's own gradient checkpointing turned on by the user.
+- `timm_checkpointed`: a timm ViT with timm's own gradient checkpointing turned on by the user
+  (`set_grad_checkpointing(True)`: `checkpoint_seq` over its blocks).
 - `self_checkpointed`: blocks with a custom autograd.Function, the first of which the model checkpoints
   itself (`torch.utils.checkpoint` around the block's call).
 - `scripted`: blocks compiled with `torch.jit.script` (no hooks, no instance forward).
@@ -104,6 +106,23 @@ def gpt2_checkpointed() -> nn.Module:
     model = gpt2()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def timm_checkpointed() -> nn.Module:
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=4, num_classes=10)
+    model.set_grad_checkpointing(True)
+    return model
+
+
+def images_batch(batch_size: int) -> tuple[torch.Tensor]:
+    return (torch.randn(batch_size, 3, 32, 32, generator=torch.Generator().manual_seed(0)),)
+
+
+def images_loss(model: nn.Module, batch: tuple[torch.Tensor]) -> torch.Tensor:
+    return model(*batch).square().mean()
 
 
 class _Swish(torch.autograd.Function):
