@@ -375,6 +375,34 @@ def test_the_closest_launcher_layout_of_a_model_with_hugging_faces_checkpointing
     assert e.peak_bytes == measured_peak(others.gpt2, others.tokens_batch, _loss, out.plan.batch_size, checkpoint=closest)
 
 
+def test_frontier_rows_rest_on_the_probed_batches_nearest_them() -> None:
+    """Between the probed batches the frontier interpolates the nearest two: a ResNet-18's peak is far
+    from linear below a few samples, and the line through batches 1 and 4 put the row at half the answer
+    at 1.2 GB, not fitting, where the answer fits 300 MiB. The row equals the harness's peak of its plan."""
+    settings = Settings(device="cpu", batch_fn=f"{OTHERS}:images_64", loss_fn=f"{OTHERS}:images_loss")
+    budget = 300 << 20
+    out = ckpt_tune.search(f"{OTHERS}:resnet18", vram=str(budget), settings=settings)
+    half = next(r for r in out.result.frontier if r.batch_size == max(1, out.plan.batch_size // 2))
+    assert half.fits
+    real = measured_peak(others.resnet18, others.images_64, others.images_loss, half.batch_size, checkpoint=half.plan)
+    assert real == half.predicted_peak
+    peaks = [r.predicted_peak for r in out.result.frontier]
+    assert peaks == sorted(peaks)
+
+
+def test_the_frontiers_line_runs_through_the_nearest_probed_batches() -> None:
+    from types import SimpleNamespace
+
+    from ckpt_tune.tune.terms import TermStore
+
+    near = lambda b, probed: TermStore.nearest(SimpleNamespace(b1=1, b2=4), b, probed)  # noqa: E731
+    assert near(4, {1, 4, 84}) == (4, 4)
+    assert near(42, {1, 4, 6, 84, 85}) == (6, 84)
+    assert near(100, {1, 4, 84, 85}) == (84, 85)
+    assert near(2, {1, 4}) == (1, 4)
+    assert near(9, {1}) == (1, 4)
+
+
 def test_torchscript_blocks_are_profiled_and_searched_without_being_candidates() -> None:
     """torch refuses hooks on a TorchScript module and its forward cannot be replaced: the step is
     recorded without marking it (it used to stop as "the training step raised"), and the search plans

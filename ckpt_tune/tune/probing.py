@@ -238,7 +238,7 @@ class ProbeSteps(SearchState):
             if kind == "frontier":
                 timed = self._time(what)
                 budget_, b, sizes, _ = rows
-                frontier = [self._row(x, budget_, self.b1, self.b2, timed[0], timed[1]) for x in sizes]
+                frontier = [self._row(x, budget_, timed[0], timed[1]) for x in sizes]
                 return timed, frontier, time.perf_counter() - t0
             if kind == "verify":
                 return self._verify_beside(what), time.perf_counter() - t0

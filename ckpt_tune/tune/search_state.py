@@ -334,7 +334,7 @@ class SearchState:
         """The batch sizes the frontier shows around answer b (searcher.py)."""
         raise NotImplementedError
 
-    def _row(self, b: int, budget: int, b1: int, b2: int, costs, step: float) -> FrontierRow:
+    def _row(self, b: int, budget: int, costs, step: float) -> FrontierRow:
         """The best plan at batch b, as a frontier row (searcher.py)."""
         raise NotImplementedError
 

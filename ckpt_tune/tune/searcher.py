@@ -75,10 +75,11 @@ class Searcher(Ordering, StepCosts, TermStore, EveryBlockFloor, Verdicts):
         return b
 
     def _may_fit(self, b: int, budget: int, b1: int, b2: int) -> bool:
-        """False when the fitted terms put b more than SKIP_MARGIN over budget: no need to probe it."""
+        """False when the terms of the probed batches nearest b (`near`) put it more than SKIP_MARGIN over
+        budget: no need to probe it."""
         if b in self.probed:
             return True
-        return min_peak(self.fitted(b, b1, b2), self.costs(b1)).peak <= budget * (1 + SKIP_MARGIN)
+        return min_peak(self.near(b), self.costs(b1)).peak <= budget * (1 + SKIP_MARGIN)
 
     def feasible_at(self, b: int, budget: int) -> Solution | None:
         return solve(self.terms(b), self.costs(b), budget)
@@ -339,22 +340,28 @@ class Searcher(Ordering, StepCosts, TermStore, EveryBlockFloor, Verdicts):
         return sorted({self.b1, self.b2, max(1, b // 2), b, b + 1})
 
     def frontier(self, budget: int, batch_sizes: list[int], b1: int, b2: int, timed_at: int) -> list[FrontierRow]:
-        """Best plan per batch size on fitted terms; recompute as a fraction of the step timed at `timed_at`.
-        Rows solved alongside the probes at `timed_at` (`_record_shorts`) are taken as they came, where
-        nothing they rest on changed since."""
+        """Best plan per batch size on the terms of the probed batches nearest it (`near`); recompute as a
+        fraction of the step timed at `timed_at`.
+        Rows solved alongside the probes at `timed_at` (`_record_shorts`) are taken as they came where
+        nothing they rest on changed since: the same options, the same probed batches nearest them."""
         got = self.frontiers.get((self._kind, budget, tuple(batch_sizes), b1, b2, timed_at))
-        if got is not None and got[1] == self._version and set(self.probed) - {timed_at} == got[2]:
-            return list(got[0])
+        kept: dict[int, FrontierRow] = {}
+        if got is not None and got[1] == self._version:
+            kept = {r.batch_size: r for r in got[0] if self.nearest(r.batch_size, got[2]) == self.nearest(r.batch_size, self.probed)}
+        todo = [b for b in batch_sizes if b not in kept]
+        if not todo:
+            return [kept[b] for b in batch_sizes]
         # probed here, before the solves are shared out, and before the costs are read: a probe that drops
         # a failing option renumbers the options and clears the costs timed with it
         self.terms(b1), self.terms(b2)
         costs, step = self.costs(timed_at), self.step_ms(timed_at)
         # each batch's solve is pure arithmetic on recorded terms: under fake tensors, where a 70B's
         # loose budget at batch 1 makes a large DP, they are shared out over the cores (measure/forked.py)
-        return fork_map(lambda b: self._row(b, budget, b1, b2, costs, step), batch_sizes, self._workers(len(batch_sizes)))
+        rows = dict(zip(todo, fork_map(lambda b: self._row(b, budget, costs, step), todo, self._workers(len(todo))), strict=True))
+        return [kept.get(b) or rows[b] for b in batch_sizes]
 
-    def _row(self, b: int, budget: int, b1: int, b2: int, costs, step: float) -> FrontierRow:
-        t = self.fitted(b, b1, b2)
+    def _row(self, b: int, budget: int, costs, step: float) -> FrontierRow:
+        t = self.near(b)
         sol = solve(t, costs, budget)
         if sol is None:
             mp = min_peak(t, costs)
