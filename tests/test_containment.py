@@ -390,6 +390,22 @@ def test_frontier_rows_rest_on_the_probed_batches_nearest_them() -> None:
     assert peaks == sorted(peaks)
 
 
+def test_a_step_fake_tensors_cannot_record_is_probed_on_the_device_within_the_budget() -> None:
+    """Experts picked by boolean masks: fake tensors cannot record the step, so its probes run on the
+    device. None runs past the budget (the plain step at the answer peaked at 2.3x it on such a model): a
+    batch whose plain step the nearest probed batches put over the budget rests on their line, and the
+    plan chosen there is verified for real."""
+    budget = 16 << 20
+    out = ckpt_tune.search(f"{OTHERS}:routed", vram=str(budget), settings=Settings(device="cpu", batch_fn=f"{OTHERS}:routed_batch"))
+    res = out.result
+    assert any(n.startswith("every probe ran on the device") for n in res.notes), res.notes
+    assert any(n.startswith("probes past the budget were not run") for n in res.notes), res.notes
+    assert res.real_steps
+    assert res.largest_real_peak <= budget
+    assert out.plan.verified_peak_bytes <= budget
+    assert measured_peak(others.routed, others.routed_batch, _loss, out.plan.batch_size, checkpoint=out.plan.checkpoint) <= budget
+
+
 def test_the_frontiers_line_runs_through_the_nearest_probed_batches() -> None:
     from types import SimpleNamespace
 

@@ -13,8 +13,9 @@ import torch
 
 from ckpt_tune.plan.entry import entries_of
 from ckpt_tune.tune.candidates import find_blocks
+from ckpt_tune.tune.memory_model import predict
 from ckpt_tune.tune.search_result import FrontierRow, SearchResult
-from ckpt_tune.tune.search_state import SearchState
+from ckpt_tune.tune.search_state import REAL_ROOM, SearchState
 from ckpt_tune.units import format_bytes
 
 FLOOR_STEPS_UP = 4  # batches above the every-block floor's estimate tried one by one
@@ -29,6 +30,14 @@ class EveryBlockFloor(SearchState):
         own forward loops over modules."""
         leaves = self._leaves()
         return set(leaves) != set(self.units) if leaves else bool(self._looping)
+
+    def _floor_over(self, batch: int, budget: int) -> bool:
+        """Whether every block checkpointed at this batch is predicted over the budget, less REAL_ROOM,
+        on the terms of the probed batches nearest it (terms.py `near`): where the probes run on the
+        device because fake tensors could not record the step, such a step is not run. Only where the
+        chain holds that configuration (else the search leaves the floor out there)."""
+        t = self.near(batch)
+        return predict(t, (1,) * len(self.units)) > budget * (1 - REAL_ROOM)
 
     def _leaves(self) -> tuple[str, ...]:
         """The innermost blocks, less those refused as candidates and those inside another of them (a
@@ -54,6 +63,8 @@ class EveryBlockFloor(SearchState):
             return res
 
         def peak_at(batch: int) -> int:
+            if self.probes_within_budget and self._floor_over(batch, budget):
+                return budget + 1  # not run: its step on the device would go past the budget
             self._at = batch
             self.runs += 1
             try:

@@ -111,6 +111,8 @@ def search(
                 searcher, res, why = _fake_probed(lambda: searcher_over(twin(), runner), budget.usable_bytes, fixed)
             if res is None:
                 searcher = searcher_over(runner)
+                # fake tensors could not record the step: its probes run on the device, within the budget
+                searcher.probes_within_budget = why is not None
                 res = searcher.search(budget.usable_bytes, batch_size=fixed)
                 if why is not None:
                     res.notes.append(f"every probe ran on the device: under fake tensors {why}")

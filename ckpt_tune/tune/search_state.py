@@ -45,6 +45,11 @@ from ckpt_tune.tune.sharding import check_shard
 HOST_LINK = 25e9
 
 
+# A step runs for real only where the recorded terms put its peak this fraction under the budget: with
+# probes under fake tensors (fake and real steps differ by tens of bytes; a margin for what they miss), and
+# with every probe on the device because fake tensors could not record the step (terms.py `_probe`).
+REAL_ROOM = 0.02
+
 class SearchState:
     """The runners, the chain and its options, the caches and the counts of one search."""
 
@@ -65,6 +70,10 @@ class SearchState:
         self.runner = runner
         self.real = runner if real is None else real
         self.budget: int | None = None  # the budget of the search under way (real steps stay within it)
+        # every probe on the device because fake tensors could not record the step: a batch whose plain
+        # step the nearest probed terms put over the budget is not probed (terms.py `_probe`)
+        self.probes_within_budget = False
+        self._lined: set[int] = set()  # batches whose terms were put on that line, not probed
         self.real_timed = 0  # real steps run to time the step (warm-up included), when probes are fake
         # most bytes a verified plan's real step held above its prediction on terms probed under fake
         # tensors at its batch: what fake tensors did not see (searcher.py `_below`)
@@ -320,6 +329,10 @@ class SearchState:
 
     def fitted(self, batch_size: int, b1: int, b2: int) -> Terms:
         """Terms at this batch, probed or on the line through b1 and b2 (terms.py)."""
+        raise NotImplementedError
+
+    def near(self, batch_size: int) -> Terms:
+        """Terms at this batch on the line through the probed batches nearest it (terms.py)."""
         raise NotImplementedError
 
     def _measure_plan(self, batch_size: int, names, runner: StepRunner | None = None) -> Measurement:

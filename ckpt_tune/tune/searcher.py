@@ -92,6 +92,8 @@ class Searcher(Ordering, StepCosts, TermStore, EveryBlockFloor, Verdicts):
             # under fake tensors only where the floor is a configuration the chain does not hold (each
             # of its steps is recorded, and a chain of the innermost blocks has it already)
             floor = not self.runner.fake or self.floor_may_differ()
+            # probes on the device, within the budget: only a floor the terms can predict (floor.py)
+            floor = floor and not (self.probes_within_budget and self.floor_may_differ())
             if batch_size is None and self.world_size == 1 and self.accum_steps == 1 and floor:
                 res = self.refinement("the every-block floor", "the plan", lambda: self._floor(res, budget), res)
                 res.notes.extend(n for n in self.notes if n not in res.notes)  # a note of its dropping

@@ -23,16 +23,13 @@ from ckpt_tune.plan.kinds import MARK, Pricing, kind_of, policy_of
 from ckpt_tune.tune.batch_search import largest
 from ckpt_tune.tune.memory_model import predict
 from ckpt_tune.tune.repeats import count_flops, extend_forward, shortened
-from ckpt_tune.tune.search_state import SearchState
+from ckpt_tune.tune.search_state import REAL_ROOM, SearchState
 
 # An op policy whose recompute costs more than this fraction of checkpointing the whole block in every
 # block is left out: it keeps more bytes than the whole-block checkpoint for (within timing noise, or
 # the roofline's error under fake tensors) no less time, and each policy offered costs a recorded step
 # per probed batch.
 WORTH_A_POLICY = 0.9
-# With probes under fake tensors, a step runs for real only where the recorded terms put its peak this
-# fraction under the budget (fake and real steps differ by tens of bytes; a margin for what they miss).
-REAL_ROOM = 0.02
 # A step timed beside the probes, at a batch guessed before they ended, is taken where its batch is at least
 # this fraction of the batch the probes then choose: the part of a step that does not grow with the batch
 # (the optimizer step, launches) is shared over a few fewer samples, and the times are scaled from it.

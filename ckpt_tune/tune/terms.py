@@ -14,6 +14,7 @@ import torch
 
 from ckpt_tune.measure.forked import fork_map
 from ckpt_tune.measure.runner import Measurement, StepRunner
+from ckpt_tune.tune.batch_search import largest
 from ckpt_tune.tune.memory_model import (
     RunCut,
     SegmentTerms,
@@ -21,6 +22,7 @@ from ckpt_tune.tune.memory_model import (
     combine,
     cut_run,
     estimate_segments,
+    predict,
     probe_configs,
     segment_terms,
     segments_of,
@@ -28,7 +30,7 @@ from ckpt_tune.tune.memory_model import (
 )
 from ckpt_tune.tune.probing import OptionFailed, ProbeSteps
 from ckpt_tune.tune.repeats import NotRepeated
-from ckpt_tune.tune.search_state import first_line
+from ckpt_tune.tune.search_state import REAL_ROOM, first_line
 from ckpt_tune.tune.sharding import peak_of, per_gpu_terms, shard_moment
 
 
@@ -51,6 +53,8 @@ class TermStore(ProbeSteps):
         return self._restrict(self.probed[batch_size])
 
     def _probe(self, batch_size: int) -> Terms:
+        if self._over_if_probed(batch_size):
+            return self._beyond_probes(batch_size)
         t = None
         if self.repeat is not None and self._kind == 1:
             try:
@@ -78,6 +82,33 @@ class TermStore(ProbeSteps):
         if self.sharding == "arithmetic":
             params, opt, _grads = self.runner.state_bytes()
             t = per_gpu_terms(t, params, opt, self.world_size, self.shard, self.gathered_bytes())
+        return t
+
+    def _over_if_probed(self, batch_size: int) -> bool:
+        """With `probes_within_budget`: whether the terms of the probed batches nearest this one put its
+        plain step (a probe of every search) over the budget, less REAL_ROOM. The two small batches are
+        always probed, and so is a batch with no line through probed batches yet (`--batch-size`)."""
+        if not self.probes_within_budget or not self.budget or batch_size in (self.b1, self.b2):
+            return False
+        if not set(self.nearest(batch_size, self.probed)) <= set(self.probed):  # no line yet: probed as asked
+            return False
+        t, none = self.near(batch_size), (0,) * len(self.units)
+        return t.measured.get(none, predict(t, none)) > self.budget * (1 - REAL_ROOM)
+
+    def _beyond_probes(self, batch_size: int) -> Terms:
+        """Terms at a batch not probed, as its plain step would run past the budget on the device: on the
+        line through the probed batches nearest it (`near`), after the largest batch whose plain step
+        fits is probed, so that the line runs from as close as the budget lets a real step come. The plan
+        chosen on them is verified for real as any (docs/design.md §4)."""
+        fits = lambda b: not self._over_if_probed(b)  # noqa: E731
+        anchor = min(largest(fits, self.b2), batch_size - 1)
+        if anchor > self.b2 and anchor not in self.probed:
+            self.terms(anchor)
+        t = self.near(batch_size)
+        self._lined.add(batch_size)
+        real = max(b for b in self.probed if b not in self._lined)
+        note = "probes past the budget were not run on the device: batches whose plain step would exceed it rest on the probed batches nearest them"
+        self.notes[:] = [n for n in self.notes if not n.startswith(note)] + [f"{note} (the largest probed: batch {real})"]
         return t
 
     def _full_terms(self, batch_size: int) -> Terms | None:

@@ -12,6 +12,8 @@
   (`set_grad_checkpointing(True)`: `checkpoint_seq` over its blocks).
 - `resnet18`: torchvision's ResNet-18 on 64x64 images, whose step's peak is far from linear below a few
   samples (16 MB per sample between batches 1 and 4 on this CPU, 1.8 MB from 4 on).
+- `routed`: top-1 routed experts picked by boolean masks (`x[top == i]`: shapes that depend on the data,
+  which fake tensors cannot record).
 - `self_checkpointed`: blocks with a custom autograd.Function, the first of which the model checkpoints
   itself (`torch.utils.checkpoint` around the block's call).
 - `scripted`: blocks compiled with `torch.jit.script` (no hooks, no instance forward).
@@ -128,6 +130,34 @@ def resnet18() -> nn.Module:
 
 def images_64(batch_size: int) -> tuple[torch.Tensor]:
     return (torch.randn(batch_size, 3, 64, 64, generator=torch.Generator().manual_seed(0)),)
+
+
+class Routed(nn.Module):
+    def __init__(self, d: int = 64, experts: int = 4, layers: int = 4) -> None:
+        super().__init__()
+        self.gates = nn.ModuleList(nn.Linear(d, experts) for _ in range(layers))
+        self.experts = nn.ModuleList(
+            nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d)) for _ in range(experts)) for _ in range(layers)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.flatten(0, 1)
+        for gate, experts in zip(self.gates, self.experts, strict=True):
+            top = gate(x).argmax(-1)
+            out = torch.zeros_like(x)
+            for i, expert in enumerate(experts):
+                out[top == i] = expert(x[top == i])
+            x = x + out
+        return x.square().mean()
+
+
+def routed() -> nn.Module:
+    torch.manual_seed(0)
+    return Routed()
+
+
+def routed_batch(batch_size: int) -> tuple[torch.Tensor]:
+    return (torch.randn(batch_size, 32, 64, generator=torch.Generator().manual_seed(0)),)
 
 
 def images_batch(batch_size: int) -> tuple[torch.Tensor]:
