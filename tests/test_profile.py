@@ -52,6 +52,28 @@ def test_layerdrop_is_off_while_measuring_so_the_peak_is_the_step_where_every_la
     assert model.layerdrop == 0.5
 
 
+@pytest.mark.hf
+def test_layerdrop_a_config_holds_is_off_while_measuring_too():
+    """Wav2Vec2's encoder reads `config.layerdrop` at each call: measured with it on, a layer skipped at
+    random left its markers out of a probe (a search stopped with KeyError: 'f>wav2vec2.encoder.layers.2')."""
+    pytest.importorskip("transformers")
+    from tests.assets.targets import others
+
+    def every_layer():
+        model = others.wav2vec2()
+        model.config.layerdrop = 0.0
+        return model
+
+    def loss(model, batch):
+        return model(**batch).loss
+
+    model = others.wav2vec2()
+    assert model.config.layerdrop == 0.5
+    prof = profile_model(model, others.audio_batch, loss, 4, scaling=False)
+    assert prof.peak_bytes == measured_peak(every_layer, others.audio_batch, loss, 4)
+    assert model.config.layerdrop == 0.5
+
+
 @pytest.mark.parametrize("name", ["mlp_blocks", "cnn_bn", "vit_dropout", "dict_batch"])
 def test_modules_and_unattributed_sum_to_activation_total(name):
     fx = ZOO[name]

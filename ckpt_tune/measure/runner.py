@@ -97,13 +97,15 @@ class StepRunner:
     def _enter(self) -> StepRunner:
         m = self.model
         # LayerDrop (Hugging Face's `layerdrop`: a layer skipped at random in training) makes each step's
-        # memory depend on the random stream; every layer runs while measuring: the step's worst case
-        dropping = [(mod, mod.layerdrop) for mod in m.modules() if _layerdrop(mod) > 0]
-        for mod, _ in dropping:
-            mod.layerdrop = 0.0
+        # memory depend on the random stream; every layer runs while measuring: the step's worst case. A
+        # module holds its rate (BART's encoder), or its config does, read at each call (Wav2Vec2's encoder)
+        holders = {id(h): h for mod in m.modules() for h in (mod, getattr(mod, "config", None)) if h is not None}
+        dropping = [(h, h.layerdrop) for h in holders.values() if _layerdrop(h) > 0 and _settable(h)]
+        for holder, _ in dropping:
+            holder.layerdrop = 0.0
         if dropping:
             self.notes.append(
-                f"LayerDrop off while measuring ({len(dropping)} module{'s' if len(dropping) > 1 else ''} skipping layers at random, p = "
+                f"LayerDrop off while measuring ({len(dropping)} setting{'s' if len(dropping) > 1 else ''} skipping layers at random, p = "
                 f"{max(p for _, p in dropping):g}): every layer runs, the step's worst case"
             )
         self._snapshot = {
@@ -394,6 +396,15 @@ def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
     return tree_map_only(torch.Tensor, lambda x: x.to(dtype) if x.is_floating_point() else x, obj)
 
 
-def _layerdrop(module: nn.Module) -> float:
-    p = module.__dict__.get("layerdrop")
+def _settable(holder: Any) -> bool:
+    """Whether `holder.layerdrop` can be set (not a frozen dataclass's field)."""
+    try:
+        holder.layerdrop = holder.layerdrop
+    except Exception:
+        return False
+    return True
+
+
+def _layerdrop(holder: Any) -> float:
+    p = getattr(holder, "__dict__", {}).get("layerdrop")
     return float(p) if isinstance(p, (int, float)) and not isinstance(p, bool) else 0.0

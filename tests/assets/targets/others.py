@@ -14,6 +14,8 @@
   samples (16 MB per sample between batches 1 and 4 on this CPU, 1.8 MB from 4 on).
 - `routed`: top-1 routed experts picked by boolean masks (`x[top == i]`: shapes that depend on the data,
   which fake tensors cannot record).
+- `wav2vec2`: Hugging Face's Wav2Vec2ForCTC, whose encoder reads its LayerDrop rate from the config at
+  each call (`config.layerdrop`, here 0.5), with `audio_batch`.
 - `self_checkpointed`: blocks with a custom autograd.Function, the first of which the model checkpoints
   itself (`torch.utils.checkpoint` around the block's call).
 - `scripted`: blocks compiled with `torch.jit.script` (no hooks, no instance forward).
@@ -158,6 +160,22 @@ def routed() -> nn.Module:
 
 def routed_batch(batch_size: int) -> tuple[torch.Tensor]:
     return (torch.randn(batch_size, 32, 64, generator=torch.Generator().manual_seed(0)),)
+
+
+def wav2vec2() -> nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Wav2Vec2Config(
+        vocab_size=32, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128, conv_dim=(32, 32, 32),
+        conv_stride=(5, 4, 4), conv_kernel=(10, 4, 4), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, layerdrop=0.5,
+    )
+    return transformers.Wav2Vec2ForCTC(config)
+
+
+def audio_batch(batch_size: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"input_values": torch.randn(batch_size, 4000, generator=g), "labels": torch.randint(1, 32, (batch_size, 8), generator=g)}
 
 
 def images_batch(batch_size: int) -> tuple[torch.Tensor]:
