@@ -98,16 +98,14 @@ class StepRunner:
         m = self.model
         # LayerDrop (Hugging Face's `layerdrop`: a layer skipped at random in training) makes each step's
         # memory depend on the random stream; every layer runs while measuring: the step's worst case. A
-        # module holds its rate (BART's encoder), or its config does, read at each call (Wav2Vec2's encoder)
-        holders = {id(h): h for mod in m.modules() for h in (mod, getattr(mod, "config", None)) if h is not None}
-        dropping = [(h, h.layerdrop) for h in holders.values() if _layerdrop(h) > 0 and _settable(h)]
+        # module holds its rate (BART's encoder), or its Hugging Face config does, read at each call (Wav2Vec2's)
+        holders = {id(h): h for mod in m.modules() for h in (mod, getattr(mod, "config", None)) if isinstance(h, nn.Module) or hasattr(h, "to_dict")}
+        dropping = [(h, h.layerdrop) for h in holders.values() if _layerdrop(h) > 0]
         for holder, _ in dropping:
             holder.layerdrop = 0.0
         if dropping:
-            self.notes.append(
-                f"LayerDrop off while measuring ({len(dropping)} setting{'s' if len(dropping) > 1 else ''} skipping layers at random, p = "
-                f"{max(p for _, p in dropping):g}): every layer runs, the step's worst case"
-            )
+            n, p = len(dropping), max(p for _, p in dropping)
+            self.notes.append(f"LayerDrop off while measuring ({n} setting{'s' * (n > 1)} skipping layers at random, p = {p:g}): every layer runs, the step's worst case")
         self._snapshot = {
             "layerdrop": dropping,
             "modes": {mod: mod.training for mod in m.modules()},
@@ -394,15 +392,6 @@ class StepRunner:
 def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
     """Pure-bf16 training feeds bf16 inputs: cast every floating tensor of the batch (any pytree)."""
     return tree_map_only(torch.Tensor, lambda x: x.to(dtype) if x.is_floating_point() else x, obj)
-
-
-def _settable(holder: Any) -> bool:
-    """Whether `holder.layerdrop` can be set (not a frozen dataclass's field)."""
-    try:
-        holder.layerdrop = holder.layerdrop
-    except Exception:
-        return False
-    return True
 
 
 def _layerdrop(holder: Any) -> float:
