@@ -111,10 +111,7 @@ def _refuse_hf_checkpointing_overlap(model: nn.Module, found: dict[str, nn.Modul
     """A planned module that contains, or sits inside, a Hugging Face layer whose own checkpointing is
     on would be checkpointed twice over: measured peaks and recompute times would not be the plan's."""
     hf_on = [
-        name
-        for name, m in model.named_modules()
-        if getattr(m, HF_CHECKPOINTING.flag, None) is True
-        and any(cls.__name__ == "GradientCheckpointingLayer" for cls in type(m).__mro__)
+        name for name, m in HF_CHECKPOINTING.modules(model) if any(cls.__name__ == "GradientCheckpointingLayer" for cls in type(m).__mro__)
     ]
     for name in found:
         for layer in hf_on:
@@ -172,14 +169,14 @@ def own_checkpointing_paused(model: nn.Module) -> Iterator[list[Paused]]:
     the model: a plan replaces it, `apply` refuses to checkpoint a Hugging Face layer twice over, and no
     segment can start inside a checkpoint the model makes itself (plan/segment.py). The flags are back as
     they were after. Yields what was on ([] where nothing was)."""
-    on = [(own, mods) for own in OWN_CHECKPOINTING if (mods := own.modules(model))]
+    on = [(own, dict(mods)) for own in OWN_CHECKPOINTING if (mods := own.modules(model))]
     for own, mods in on:
-        own.switch([m for _n, m in mods], False)
+        own.switch(list(mods.values()), False)
     try:
-        yield [Paused(own, tuple(n for n, _m in mods)) for own, mods in on]
+        yield [Paused(own, tuple(mods)) for own, mods in on]
     finally:
         for own, mods in on:
-            own.switch([m for _n, m in mods], True)
+            own.switch(list(mods.values()), True)
 
 
 def _turn_off_use_cache(model: nn.Module) -> None:

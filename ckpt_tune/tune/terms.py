@@ -90,9 +90,10 @@ class TermStore(ProbeSteps):
         always probed, and so is a batch with no line through probed batches yet (`--batch-size`)."""
         if not self.probes_within_budget or not self.budget or batch_size in (self.b1, self.b2):
             return False
-        if not set(self.nearest(batch_size, self.probed)) <= set(self.probed):  # no line yet: probed as asked
+        lo, hi = self.nearest(batch_size, self.probed)
+        if lo not in self.probed or hi not in self.probed:  # no line yet: probed as asked
             return False
-        t, none = self.near(batch_size), (0,) * len(self.units)
+        t, none = self.fitted(batch_size, lo, hi), (0,) * len(self.units)
         return t.measured.get(none, predict(t, none)) > self.budget * (1 - REAL_ROOM)
 
     def _beyond_probes(self, batch_size: int) -> Terms:
@@ -252,8 +253,7 @@ class TermStore(ProbeSteps):
         peak is not linear below a few samples (a ResNet-18 at 64x64 on this CPU: 16 MB per sample between
         batches 1 and 4, 1.8 MB from 4 to 84), and that line put its batch 42 at 1.2 GB where 84 fits in
         300 MiB."""
-        lo, hi = self.nearest(batch_size, self.probed)
-        return self.terms(lo) if lo == hi else self.terms(lo).interpolate(self.terms(hi), batch_size)
+        return self.fitted(batch_size, *self.nearest(batch_size, self.probed))
 
     def nearest(self, batch_size: int, probed) -> tuple[int, int]:
         """The batches `near` draws its line through, of those `probed`: (b, b) where b is probed; else
